@@ -1,0 +1,41 @@
+"""tensorckpt: distributed training checkpoints stored as logical Zarr v3
+arrays, written and read through TensorStore, resharded at load time.
+
+    import tensorckpt
+    tensorckpt.save({"model": model.state_dict(), "step": 10}, "ckpt/step10")
+    state = {"model": model.state_dict(), "step": 0}
+    tensorckpt.load(state, "ckpt/step10")
+    tensorckpt.open("ckpt/step10").read("model/fc.weight", index=(slice(0, 4),))
+"""
+
+__version__ = "0.1.0"
+
+from .checkpoint import Checkpoint, CheckpointMetadata, TensorInfo
+from .engine.load import load
+from .engine.save import save
+from .errors import (
+    CheckpointExistsError,
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    IncompatibleStateError,
+    IncompleteCheckpointError,
+    InvalidIndexError,
+    InvalidPathError,
+    TensorckptError,
+    UnsupportedValueError,
+    UnsupportedVersionError,
+)
+from .format.metadata import FORMAT_VERSION
+
+
+def open(path) -> Checkpoint:  # noqa: A001 - the public name the API promises
+    """Open a committed checkpoint read-only (no process group needed)."""
+    return Checkpoint(path)
+
+
+__all__ = [
+    "save", "load", "open", "Checkpoint", "CheckpointMetadata", "TensorInfo", "FORMAT_VERSION",
+    "TensorckptError", "CheckpointNotFoundError", "CheckpointExistsError", "IncompleteCheckpointError",
+    "UnsupportedVersionError", "CorruptCheckpointError", "IncompatibleStateError",
+    "UnsupportedValueError", "InvalidPathError", "InvalidIndexError",
+]

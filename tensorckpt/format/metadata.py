@@ -1,0 +1,241 @@
+"""The checkpoint index in code: frozen dataclasses <-> JSON (spec section
+"Root metadata"). Everything here is pure: no I/O, no torch.distributed.
+
+The root metadata lives in the ``attributes.tensorckpt`` member of the
+checkpoint's root ``zarr.json``; writing that file is the commit. Readers of
+older format versions are chosen by sniffing ``format_version`` (see
+:func:`parse_root`), never by version checks scattered through the code.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+
+from ..errors import CorruptCheckpointError, UnsupportedValueError, UnsupportedVersionError
+from . import dtypes as _dtypes
+from .keys import split_flat_key
+
+FORMAT_MAJOR = 1
+FORMAT_MINOR = 0
+FORMAT_VERSION = f"{FORMAT_MAJOR}.{FORMAT_MINOR}"
+ATTRIBUTE = "tensorckpt"  # member of the root group's attributes
+KNOWN_EXTENSIONS: frozenset[str] = frozenset()  # extensions this reader implements
+MAX_INT = 2**64 - 1
+MIN_INT = -(2**63)
+MAX_ELEMENTS = 2**62  # no real tensor is larger; rejects hostile shapes early
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    """One logical tensor: a Zarr v3 array at ``key`` (the flat key)."""
+
+    dtype: str  # torch dtype name, e.g. "bfloat16"
+    shape: tuple[int, ...]
+    chunk_shape: tuple[int, ...]  # Zarr chunk = shard = one writer's box
+    inner_chunk_shape: tuple[int, ...]  # sharding_indexed inner chunk
+
+    @property
+    def zarr_data_type(self) -> str:
+        return _dtypes.BY_TORCH[self.dtype].zarr_name
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * _dtypes.BY_TORCH[self.dtype].itemsize
+
+    def to_json(self) -> dict:
+        return {
+            "dtype": self.dtype,
+            "data_type": self.zarr_data_type,
+            "shape": list(self.shape),
+            "chunk_shape": list(self.chunk_shape),
+            "inner_chunk_shape": list(self.inner_chunk_shape),
+        }
+
+
+@dataclass(frozen=True)
+class RootMetadata:
+    tensors: dict[str, TensorEntry]
+    values: dict[str, object]
+    format_version: str = FORMAT_VERSION
+    library_version: str = ""
+    created: str = ""
+    world_size: int = 1
+    user_metadata: dict = field(default_factory=dict)
+    must_understand: tuple[str, ...] = ()
+
+    def to_json(self) -> dict:
+        return {
+            "format_version": self.format_version,
+            "must_understand": list(self.must_understand),
+            "library_version": self.library_version,
+            "created": self.created,
+            "world_size": self.world_size,
+            "user_metadata": self.user_metadata,
+            "tensors": {k: e.to_json() for k, e in sorted(self.tensors.items())},
+            "values": dict(sorted(self.values.items())),
+        }
+
+
+def root_group_json(meta: RootMetadata) -> bytes:
+    """The bytes of the root ``zarr.json`` that commits a checkpoint."""
+    doc = {"zarr_format": 3, "node_type": "group", "attributes": {ATTRIBUTE: meta.to_json()}}
+    return dumps(doc)
+
+
+def dumps(doc: object) -> bytes:
+    return json.dumps(doc, allow_nan=False, ensure_ascii=False).encode("utf-8")
+
+
+# ----------------------------------------------------------------- values
+
+
+def check_value(value: object, key: str) -> object:
+    """Validate a non-tensor leaf and return its JSON form (tuples -> lists).
+
+    Raises :class:`UnsupportedValueError` naming ``key`` for anything that is not
+    None, bool, int, finite float, str, or lists/dicts of these.
+    """
+    if value is None or isinstance(value, (bool, str)):
+        return value
+    if isinstance(value, int):
+        if not MIN_INT <= value <= MAX_INT:
+            raise UnsupportedValueError(f"{key!r}: integer {value} is outside [-2**63, 2**64)")
+        return int(value)
+    if isinstance(value, float):
+        if not math.isfinite(value):
+            raise UnsupportedValueError(
+                f"{key!r}: {value} is not representable in JSON; store it as a 0-d tensor "
+                "(torch.tensor(value)) instead"
+            )
+        return float(value)
+    if isinstance(value, (list, tuple)):
+        return [check_value(v, f"{key}[{i}]") for i, v in enumerate(value)]
+    if isinstance(value, dict):
+        out = {}
+        for k, v in value.items():
+            if not isinstance(k, str):
+                raise UnsupportedValueError(f"{key!r}: dict key {k!r} is not a str (JSON needs str keys)")
+            out[k] = check_value(v, f"{key}.{k}")
+        return out
+    raise UnsupportedValueError(
+        f"{key!r}: a {type(value).__module__}.{type(value).__qualname__} is neither a tensor nor "
+        "JSON-able data (None, bool, int, float, str, list, dict); tensorckpt never pickles. "
+        "Convert it, e.g. to a uint8 tensor (torch.frombuffer(bytearray(data), dtype=torch.uint8)) "
+        "or to plain data"
+    )
+
+
+# ----------------------------------------------------------------- parsing
+
+
+def parse_root(doc: object, where: str) -> RootMetadata:
+    """Parse an untrusted root ``zarr.json`` document. Dispatches on the major
+    format version; every problem raises a tensorckpt error naming ``where``."""
+    if not isinstance(doc, dict) or doc.get("zarr_format") != 3 or doc.get("node_type") != "group":
+        raise CorruptCheckpointError(f"{where}: not a Zarr v3 group metadata document")
+    attrs = doc.get("attributes")
+    if not isinstance(attrs, dict) or ATTRIBUTE not in attrs:
+        raise CorruptCheckpointError(
+            f"{where}: a Zarr group, but not a tensorckpt checkpoint (no attributes.{ATTRIBUTE})"
+        )
+    meta = _obj(attrs[ATTRIBUTE], f"{where}: attributes.{ATTRIBUTE}")
+    version = meta.get("format_version")
+    major = _major(version, where)
+    if major != FORMAT_MAJOR:  # the only major so far; older ones get their own parser here
+        raise UnsupportedVersionError(
+            f"{where}: format version {version} is not supported by this tensorckpt "
+            f"(reads {FORMAT_MAJOR}.x); upgrade tensorckpt"
+        )
+    return _parse_v1(meta, where)
+
+
+def _major(version: object, where: str) -> int:
+    if not isinstance(version, str):
+        raise CorruptCheckpointError(f"{where}: format_version must be a string like '1.0', got {version!r}")
+    parts = version.split(".")
+    if len(parts) != 2 or not all(p.isdigit() and len(p) < 6 for p in parts):
+        raise CorruptCheckpointError(f"{where}: malformed format_version {version!r}")
+    return int(parts[0])
+
+
+def _parse_v1(meta: dict, where: str) -> RootMetadata:
+    must = meta.get("must_understand", [])
+    if not isinstance(must, list) or not all(isinstance(m, str) for m in must):
+        raise CorruptCheckpointError(f"{where}: must_understand must be a list of strings")
+    unknown = [m for m in must if m not in KNOWN_EXTENSIONS]
+    if unknown:
+        raise UnsupportedVersionError(
+            f"{where}: the checkpoint needs extensions this tensorckpt does not implement: "
+            f"{', '.join(unknown)}; upgrade tensorckpt"
+        )
+    tensors_doc = _obj(meta.get("tensors"), f"{where}: tensors")
+    values = _obj(meta.get("values", {}), f"{where}: values")
+    tensors = {}
+    for key, entry in tensors_doc.items():
+        split_flat_key(key)
+        tensors[key] = parse_tensor_entry(entry, f"{where}: tensors[{key!r}]")
+    for key in values:
+        split_flat_key(key)
+        if key in tensors:
+            raise CorruptCheckpointError(f"{where}: key {key!r} is both a tensor and a value")
+    user = _obj(meta.get("user_metadata", {}), f"{where}: user_metadata")
+    world = meta.get("world_size", 1)
+    if not isinstance(world, int) or isinstance(world, bool) or world < 1:
+        raise CorruptCheckpointError(f"{where}: world_size must be a positive integer, got {world!r}")
+    for name in ("library_version", "created"):
+        if not isinstance(meta.get(name, ""), str):
+            raise CorruptCheckpointError(f"{where}: {name} must be a string")
+    return RootMetadata(
+        tensors=tensors,
+        values=values,
+        format_version=meta["format_version"],
+        library_version=meta.get("library_version", ""),
+        created=meta.get("created", ""),
+        world_size=world,
+        user_metadata=user,
+        must_understand=tuple(must),
+    )
+
+
+def parse_tensor_entry(entry: object, where: str) -> TensorEntry:
+    entry = _obj(entry, where)
+    dtype = _dtypes.for_name(entry.get("dtype"), where)
+    if entry.get("data_type") != dtype.zarr_name:
+        raise CorruptCheckpointError(
+            f"{where}: data_type {entry.get('data_type')!r} does not match dtype {dtype.torch_name!r}"
+        )
+    shape = _shape(entry.get("shape"), f"{where}.shape", allow_zero=True)
+    chunk = _shape(entry.get("chunk_shape"), f"{where}.chunk_shape", allow_zero=False)
+    inner = _shape(entry.get("inner_chunk_shape"), f"{where}.inner_chunk_shape", allow_zero=False)
+    if not len(shape) == len(chunk) == len(inner):
+        raise CorruptCheckpointError(f"{where}: shape, chunk_shape and inner_chunk_shape differ in rank")
+    if any(c % i for c, i in zip(chunk, inner)):
+        raise CorruptCheckpointError(f"{where}: inner_chunk_shape {inner} does not divide chunk_shape {chunk}")
+    if math.prod(shape) > MAX_ELEMENTS or math.prod(chunk) > MAX_ELEMENTS:
+        raise CorruptCheckpointError(f"{where}: shape {shape} is implausibly large")
+    return TensorEntry(dtype.torch_name, shape, chunk, inner)
+
+
+def _shape(v: object, where: str, allow_zero: bool) -> tuple[int, ...]:
+    lo = 0 if allow_zero else 1
+    if not isinstance(v, list) or len(v) > 32 or not all(
+        isinstance(x, int) and not isinstance(x, bool) and lo <= x <= MAX_ELEMENTS for x in v
+    ):
+        raise CorruptCheckpointError(f"{where}: expected a list of at most 32 integers >= {lo}, got {v!r}")
+    return tuple(v)
+
+
+def _obj(v: object, where: str) -> dict:
+    if not isinstance(v, dict):
+        raise CorruptCheckpointError(f"{where}: expected a JSON object, got {type(v).__name__}")
+    return v
+
+
+def loads(data: bytes, where: str) -> object:
+    """Decode untrusted JSON bytes; raises CorruptCheckpointError naming ``where``."""
+    try:
+        return json.loads(data.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError, RecursionError) as e:
+        raise CorruptCheckpointError(f"{where}: not valid UTF-8 JSON ({e})") from None

@@ -1,0 +1,56 @@
+"""Zarr v3 arrays through TensorStore: the array metadata tensorckpt writes
+(spec section "Arrays") and asynchronous open, write and read."""
+
+from __future__ import annotations
+
+import tensorstore as ts
+
+from ..format import dtypes
+from ..format.metadata import ATTRIBUTE, TensorEntry
+from .location import CONTEXT, Location
+
+_BYTES = {"name": "bytes", "configuration": {"endian": "little"}}
+_CRC = {"name": "crc32c"}
+
+
+def zarr_metadata(entry: TensorEntry) -> dict:
+    """The array's ``zarr.json`` content (without ``zarr_format``/``node_type``)."""
+    d = dtypes.BY_TORCH[entry.dtype]
+    return {
+        "shape": list(entry.shape),
+        "data_type": d.zarr_name,
+        "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": list(entry.chunk_shape)}},
+        "chunk_key_encoding": {"name": "default", "configuration": {"separator": "/"}},
+        "fill_value": d.fill_value,
+        "codecs": [
+            {
+                "name": "sharding_indexed",
+                "configuration": {
+                    "chunk_shape": list(entry.inner_chunk_shape),
+                    "codecs": [_BYTES, _CRC],
+                    "index_codecs": [_BYTES, _CRC],
+                    "index_location": "end",
+                },
+            }
+        ],
+        "attributes": {ATTRIBUTE: {"dtype": entry.dtype}},
+    }
+
+
+def _spec(loc: Location, key: str) -> dict:
+    return {"driver": "zarr3", "kvstore": loc.kvstore(key)}
+
+
+def create(loc: Location, key: str, entry: TensorEntry) -> ts.Future:
+    """Create the array ``key`` under ``loc``; every chunk is stored even when
+    it equals the fill value, so a missing chunk always means missing data."""
+    spec = _spec(loc, key) | {
+        "metadata": zarr_metadata(entry),
+        "create": True,
+        "store_data_equal_to_fill_value": True,
+    }
+    return ts.open(spec, context=CONTEXT)
+
+
+def open_read(loc: Location, key: str) -> ts.Future:
+    return ts.open(_spec(loc, key) | {"open": True}, context=CONTEXT, read=True)

@@ -1,0 +1,115 @@
+"""The commit protocol (spec section "Commit"): a checkpoint becomes valid in
+one atomic step, after all its data is durable, and saving over an existing
+checkpoint never leaves a moment where neither the old nor the new one is
+valid somewhere.
+
+- Local files: everything, root ``zarr.json`` included, is written into a
+  staging directory beside the target (``.NAME.tensorckpt-staging-TOKEN``),
+  synced, then renamed onto the target. Replacing a checkpoint swaps the two
+  directories atomically (``renameat2(RENAME_EXCHANGE)``) and then deletes
+  the old one.
+- Object stores (no rename; ``memory://`` here): a new checkpoint is written
+  in place and the root ``zarr.json`` is written last. Replacing one writes
+  and commits the new checkpoint at the staging prefix first, then deletes
+  the old, copies the new in and writes its root ``zarr.json`` last; until
+  then the complete new checkpoint stays at the staging prefix, and
+  :func:`status` names it.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+from dataclasses import dataclass
+
+from ..errors import CheckpointExistsError
+from . import kv
+from .location import Location
+
+ROOT_KEY = "zarr.json"
+STAGING_INFIX = ".tensorckpt-staging-"
+
+
+def new_token() -> str:
+    return secrets.token_hex(6)
+
+
+def staging_location(target: Location, token: str) -> Location:
+    return target.sibling(f".{target.name}{STAGING_INFIX}{token}")
+
+
+@dataclass(frozen=True)
+class Commit:
+    target: Location
+    write_to: Location  # where the arrays go (staging, or the target itself)
+
+    @property
+    def staged(self) -> bool:
+        return self.write_to != self.target
+
+
+def begin(target: Location, overwrite: bool, token: str) -> Commit:
+    """Check the target and decide where to write. Raises
+    :class:`CheckpointExistsError` if anything is there and not ``overwrite``."""
+    if kv.exists(target) and not overwrite:
+        raise CheckpointExistsError(
+            f"{target}: a checkpoint (or the leftovers of one) already exists; "
+            "pass overwrite=True to replace it, or choose another path"
+        )
+    if target.is_local or kv.exists(target):
+        return Commit(target, staging_location(target, token))
+    return Commit(target, target)
+
+
+def finish(c: Commit, root_json: bytes) -> None:
+    """Make the written data durable, then commit it with ``root_json``."""
+    if c.target.is_local:
+        _finish_local(c, root_json)
+        return
+    kv.write(c.write_to, ROOT_KEY, root_json)
+    if c.staged:  # replace: the new checkpoint is complete at the staging prefix
+        kv.delete_all(c.target)
+        kv.copy_all(c.write_to, c.target, skip=(ROOT_KEY,))
+        kv.write(c.target, ROOT_KEY, root_json)
+        kv.delete_all(c.write_to)
+
+
+def _finish_local(c: Commit, root_json: bytes) -> None:
+    staging, target = c.write_to.path, c.target.path
+    os.makedirs(staging, exist_ok=True)
+    with open(os.path.join(staging, ROOT_KEY), "wb") as f:
+        f.write(root_json)
+    kv.sync_tree(staging)
+    parent = os.path.dirname(target)
+    if not os.path.lexists(target):
+        os.rename(staging, target)
+    elif kv.exchange(staging, target):
+        kv.fsync_dir(parent)
+        kv.delete_all(c.write_to)  # now holds the old checkpoint
+    else:  # no atomic swap: move the old aside first; it stays whole until deleted
+        aside = f"{staging}.old"
+        os.rename(target, aside)
+        os.rename(staging, target)
+        kv.fsync_dir(parent)
+        kv.delete_all(Location("file", aside))
+    kv.fsync_dir(parent)
+
+
+def abort(c: Commit) -> None:
+    """Remove what an unsuccessful save wrote (never the target, unless the
+    target itself was being written fresh)."""
+    kv.delete_all(c.write_to)
+
+
+def leftovers(target: Location) -> list[Location]:
+    """Staging locations of interrupted saves to ``target``."""
+    prefix = f".{target.name}{STAGING_INFIX}"
+    parent = target.sibling("")
+    if target.is_local:
+        try:
+            names = os.listdir(parent.path or "/")
+        except FileNotFoundError:
+            return []
+        return [target.sibling(n) for n in sorted(names) if n.startswith(prefix)]
+    names = {k.split("/", 1)[0] for k in kv.list_keys(parent) if k.startswith(prefix)}
+    return [target.sibling(n) for n in sorted(names)]

@@ -1,0 +1,81 @@
+"""Where a checkpoint lives: the one place paths and URLs are parsed.
+
+``parse("runs/ckpt")``, ``parse("file:///abs/ckpt")`` and ``parse("memory://name")``
+give a :class:`Location` holding the TensorStore kvstore spec of the
+checkpoint's root. ``file`` locations commit by atomic rename; every other
+kind behaves like an object store (no rename) and commits with a marker
+written last (see :mod:`tensorckpt.storage.commit`).
+"""
+
+from __future__ import annotations
+
+import os
+import posixpath
+from dataclasses import dataclass
+from urllib.parse import unquote, urlparse
+
+import tensorstore as ts
+
+from ..errors import InvalidPathError
+
+# One context for the process: memory:// stores live in it (so separate opens
+# see the same data) and its resource limits apply to every checkpoint.
+# file_io_sync is off: each save syncs its files once, before it commits.
+CONTEXT = ts.Context({"file_io_sync": False, "cache_pool": {"total_bytes_limit": 0}})
+
+SCHEMES = ("file", "memory")
+
+
+@dataclass(frozen=True)
+class Location:
+    scheme: str  # "file" or "memory"
+    path: str  # absolute local path, or the key prefix inside the memory store (no trailing "/")
+
+    @property
+    def url(self) -> str:
+        return self.path if self.scheme == "file" else f"{self.scheme}://{self.path}"
+
+    @property
+    def is_local(self) -> bool:
+        return self.scheme == "file"
+
+    def kvstore(self, sub: str = "") -> dict:
+        """TensorStore kvstore spec of this location (or of ``sub`` inside it), as a directory."""
+        p = (posixpath.join(self.path, sub) if sub else self.path).strip("/")
+        if self.scheme == "file":
+            p = "/" + p
+        return {"driver": self.scheme, "path": p + "/" if p.strip("/") else p}
+
+    def sibling(self, name: str) -> "Location":
+        return Location(self.scheme, posixpath.join(posixpath.dirname(self.path), name))
+
+    @property
+    def name(self) -> str:
+        return posixpath.basename(self.path)
+
+    def __str__(self) -> str:
+        return self.url
+
+
+def parse(path: str | os.PathLike | Location) -> Location:
+    if isinstance(path, Location):
+        return path
+    if isinstance(path, os.PathLike):
+        path = os.fspath(path)
+    if not isinstance(path, str) or not path:
+        raise InvalidPathError(f"checkpoint path must be a non-empty str or path, got {path!r}")
+    if "://" not in path:
+        return Location("file", os.path.abspath(os.path.expanduser(path)))
+    url = urlparse(path)
+    if url.scheme == "file":
+        if url.netloc not in ("", "localhost"):
+            raise InvalidPathError(f"{path!r}: file URLs must be local (file:///abs/path)")
+        return Location("file", os.path.abspath(unquote(url.path)))
+    if url.scheme == "memory":
+        key = (url.netloc + url.path).strip("/")
+        if not key or ".." in key.split("/"):
+            raise InvalidPathError(f"{path!r}: memory URLs need a name without '..', e.g. memory://ckpt")
+        return Location("memory", key)
+    raise InvalidPathError(
+        f"{path!r}: unsupported scheme {url.scheme!r}; use a local path, file:// or memory://"
+    )
