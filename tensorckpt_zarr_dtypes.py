@@ -18,13 +18,20 @@ Fill values use the Zarr v3 float encoding: a JSON number, ``"NaN"``, ``"Infinit
 match TensorStore, only the canonical quiet NaN is written as ``"NaN"``. Any other
 NaN is written as hex. ``float8_e4m3fn`` has no infinities, so it rejects
 ``"Infinity"``.
+
+Caveat when writing with zarr-python 3.1: by default, zarr skips a chunk that
+equals the fill value numerically, e.g. all -0.0 with fill 0.0, or a NaN with a
+different payload. That chunk then reads back as the fill value. For bit-exact
+writes, pass ``config={"write_empty_chunks": True}``.
 """
 
 from __future__ import annotations
 
 import math
+import sys
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar, Self
+from string import hexdigits
+from typing import TYPE_CHECKING, Any, ClassVar, Self, cast
 
 import ml_dtypes
 import numpy as np
@@ -40,7 +47,7 @@ __all__ = ["BFloat16", "Float8E4M3FN", "Float8E5M2", "register"]
 
 @dataclass(frozen=True, kw_only=True)
 class _MLFloat(ZDType[np.dtype[Any], np.generic], HasItemSize):
-    """Shared logic: the Zarr v3 name is also the v2 name, as TensorStore writes it."""
+    """Shared logic. The Zarr v2 dtype name equals the v3 name, as TensorStore writes it."""
 
     scalar_type: ClassVar[type[np.generic]]
     has_inf: ClassVar[bool] = True
@@ -53,73 +60,76 @@ class _MLFloat(ZDType[np.dtype[Any], np.generic], HasItemSize):
     def from_native_dtype(cls, dtype: np.dtype[Any]) -> Self:
         if cls._check_native_dtype(dtype):
             return cls()
-        raise DataTypeValidationError(f"Invalid data type: {dtype}. Expected {cls.scalar_type}")
+        raise DataTypeValidationError(f"Invalid data type {dtype}, expected {cls._zarr_v3_name}")
 
     def to_native_dtype(self) -> np.dtype[Any]:
         return np.dtype(self.scalar_type)
 
     @classmethod
     def _from_json_v2(cls, data: DTypeJSON) -> Self:
-        if isinstance(data, dict) and data.get("name") == cls._zarr_v3_name:
-            if data.get("object_codec_id") is None:
-                return cls()
-        raise DataTypeValidationError(f"Invalid JSON representation of {cls.__name__}: {data!r}")
+        if data == {"name": cls._zarr_v3_name, "object_codec_id": None}:
+            return cls()
+        raise DataTypeValidationError(f"Invalid v2 JSON for {cls.__name__}: {data!r}")
 
     @classmethod
     def _from_json_v3(cls, data: DTypeJSON) -> Self:
         if data == cls._zarr_v3_name:
             return cls()
-        raise DataTypeValidationError(f"Invalid JSON representation of {cls.__name__}: {data!r}")
+        raise DataTypeValidationError(f"Invalid v3 JSON for {cls.__name__}: {data!r}")
 
-    def to_json(self, zarr_format: ZarrFormat) -> DTypeConfig_V2[str, None] | str:  # type: ignore[override]
+    def to_json(  # type: ignore[override]
+        self, zarr_format: ZarrFormat
+    ) -> DTypeConfig_V2[str, None] | str:
         if zarr_format == 2:
             return {"name": self._zarr_v3_name, "object_codec_id": None}
         return self._zarr_v3_name
 
     def _check_scalar(self, data: object) -> bool:
-        return isinstance(data, int | float | np.number | self.scalar_type | str)
+        return isinstance(data, int | float | str | np.generic)
 
     def cast_scalar(self, data: object) -> np.generic:
         if isinstance(data, str):
             return self.from_json_scalar(data, zarr_format=3)
         if self._check_scalar(data):
-            return self.scalar_type(data)  # type: ignore[call-arg]
-        raise TypeError(f"Cannot convert {data!r} to a scalar of data type {self}.")
+            return self.scalar_type(data)
+        raise TypeError(f"Cannot convert {data!r} to a scalar of data type {self._zarr_v3_name}")
 
     def default_scalar(self) -> np.generic:
-        return self.scalar_type(0)  # type: ignore[call-arg]
+        return self.scalar_type(0)
 
-    def _bits(self, value: np.generic) -> int:
+    def _bits(self, value: object) -> int:
         return int(np.array(value, dtype=self.scalar_type).view(f"u{self.item_size}"))
 
     def from_json_scalar(self, data: JSON, *, zarr_format: ZarrFormat) -> np.generic:
-        if isinstance(data, str) and data.lower().startswith("0x"):
-            if len(data) != 2 + 2 * self.item_size:
+        """A number, "NaN", "Infinity", "-Infinity", or "0x" + the exact bit pattern."""
+        if isinstance(data, str) and data[:2] in ("0x", "0X"):
+            digits = data[2:]
+            if len(digits) != 2 * self.item_size or not all(c in hexdigits for c in digits):
                 raise TypeError(f"Invalid hex fill value {data!r} for {self._zarr_v3_name}")
-            bits = np.array(int(data, 16), dtype=f"u{self.item_size}")
-            return bits.view(self.scalar_type)[()]  # type: ignore[no-any-return]
+            bits = np.array(int(digits, 16), dtype=f"u{self.item_size}")
+            return cast(np.generic, bits.view(self.scalar_type)[()])
         if data in ("Infinity", "-Infinity") and not self.has_inf:
             raise TypeError(f"{self._zarr_v3_name} has no infinities; got fill value {data!r}")
         if isinstance(data, int | float | str) and not isinstance(data, bool):
-            try:
-                value = float({"NaN": "nan", "Infinity": "inf", "-Infinity": "-inf"}.get(data, data))  # type: ignore[arg-type]
+            try:  # float() also parses "NaN", "Infinity" and "-Infinity"
+                return self.scalar_type(float(data))
             except ValueError:
                 pass
-            else:
-                return self.scalar_type(value)  # type: ignore[call-arg]
         raise TypeError(f"Invalid fill value {data!r} for {self._zarr_v3_name}")
 
     def to_json_scalar(self, data: object, *, zarr_format: ZarrFormat) -> float | str:
-        value = self.cast_scalar(data)
-        as_float = float(value)  # type: ignore[arg-type]
-        if math.isinf(as_float):
-            return "Infinity" if as_float > 0 else "-Infinity"
-        if math.isnan(as_float):
-            bits = self._bits(value)
-            if zarr_format == 2 or bits == self._bits(self.scalar_type("nan")):  # type: ignore[call-arg]
+        """Like TensorStore: a number, "Infinity"/"-Infinity", "NaN" for the canonical
+        NaN, and "0x..." for any other NaN (Zarr v2 has no hex form: always "NaN")."""
+        scalar = self.cast_scalar(data)
+        value = float(scalar)
+        if math.isinf(value):
+            return "Infinity" if value > 0 else "-Infinity"
+        if math.isnan(value):
+            bits = self._bits(scalar)
+            if zarr_format == 2 or bits == self._bits(self.scalar_type("nan")):
                 return "NaN"
             return f"0x{bits:0{2 * self.item_size}x}"
-        return as_float
+        return value
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -133,14 +143,17 @@ class BFloat16(_MLFloat, HasEndianness):
     @classmethod
     def from_native_dtype(cls, dtype: np.dtype[Any]) -> Self:
         if cls._check_native_dtype(dtype):
-            order = dtype.byteorder if dtype.byteorder in "<>" else np.dtype("=u2").str[0]
-            return cls(endianness="big" if order == ">" else "little")
-        raise DataTypeValidationError(f"Invalid data type: {dtype}. Expected {cls.scalar_type}")
+            big = dtype.byteorder == ">" or (dtype.byteorder == "=" and sys.byteorder == "big")
+            return cls(endianness="big" if big else "little")
+        raise DataTypeValidationError(f"Invalid data type {dtype}, expected {cls._zarr_v3_name}")
 
     def to_native_dtype(self) -> np.dtype[Any]:
-        return np.dtype(self.scalar_type).newbyteorder("<" if self.endianness == "little" else ">")
+        order = "<" if self.endianness == "little" else ">"
+        return cast("np.dtype[Any]", np.dtype(self.scalar_type).newbyteorder(order))
 
-    def to_json(self, zarr_format: ZarrFormat) -> DTypeConfig_V2[str, None] | str:  # type: ignore[override]
+    def to_json(  # type: ignore[override]
+        self, zarr_format: ZarrFormat
+    ) -> DTypeConfig_V2[str, None] | str:
         if zarr_format == 2 and self.endianness != "little":
             raise ValueError("Zarr v2 'bfloat16' is little-endian only")
         return super().to_json(zarr_format)
@@ -148,7 +161,7 @@ class BFloat16(_MLFloat, HasEndianness):
 
 @dataclass(frozen=True, kw_only=True)
 class Float8E4M3FN(_MLFloat):
-    """``float8_e4m3fn``: finite-only (no infinities), NaN is ``0x7f``/``0xff``."""
+    """``float8_e4m3fn``: 1 sign, 4 exponent, 3 mantissa bits; no infinities, NaN 0x7f/0xff."""
 
     scalar_type = ml_dtypes.float8_e4m3fn
     dtype_cls = type(np.dtype(ml_dtypes.float8_e4m3fn))
@@ -168,4 +181,4 @@ class Float8E5M2(_MLFloat):
 def register() -> None:
     """Register the three data types with zarr-python. Calling it again does nothing."""
     for cls in (BFloat16, Float8E4M3FN, Float8E5M2):
-        data_type_registry.register(cls._zarr_v3_name, cls)  # type: ignore[arg-type]
+        data_type_registry.register(cls._zarr_v3_name, cls)

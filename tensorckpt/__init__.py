@@ -10,8 +10,11 @@ arrays, written and read through TensorStore, resharded at load time.
 
 __version__ = "0.1.0"
 
+import tensorckpt_zarr_dtypes as _zarr_dtypes
+
+from .adapters.sharded import ShardedTensor
 from .checkpoint import Checkpoint, CheckpointMetadata, TensorInfo
-from .engine.load import load
+from .engine.load import LoadStats, load
 from .engine.save import save
 from .errors import (
     CheckpointExistsError,
@@ -26,6 +29,10 @@ from .errors import (
     UnsupportedVersionError,
 )
 from .format.metadata import FORMAT_VERSION
+from . import cli  # noqa: E402  (tensorckpt.cli.inspect is public)
+
+
+_zarr_dtypes.register()  # zarr-python in this process reads bfloat16/float8 arrays too
 
 
 def open(path) -> Checkpoint:  # noqa: A001 - the public name the API promises
@@ -34,7 +41,7 @@ def open(path) -> Checkpoint:  # noqa: A001 - the public name the API promises
 
 
 __all__ = [
-    "save", "load", "open", "Checkpoint", "CheckpointMetadata", "TensorInfo", "FORMAT_VERSION",
+    "save", "load", "open", "ShardedTensor", "LoadStats", "Checkpoint", "CheckpointMetadata", "TensorInfo", "FORMAT_VERSION",
     "TensorckptError", "CheckpointNotFoundError", "CheckpointExistsError", "IncompleteCheckpointError",
     "UnsupportedVersionError", "CorruptCheckpointError", "IncompatibleStateError",
     "UnsupportedValueError", "InvalidPathError", "InvalidIndexError",

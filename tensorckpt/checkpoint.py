@@ -45,7 +45,10 @@ class TensorInfo:
 def read_root(loc: location.Location) -> RootMetadata:
     """Read and validate the root metadata, telling apart a missing, an
     incomplete and a committed checkpoint."""
-    where = f"{loc}/{commit.ROOT_KEY}"
+    return parse_root_bytes(loc, read_root_bytes(loc))
+
+
+def read_root_bytes(loc: location.Location) -> bytes:
     data = kv.read(loc, commit.ROOT_KEY)
     if data is None:
         stale = commit.leftovers(loc)
@@ -56,15 +59,20 @@ def read_root(loc: location.Location) -> RootMetadata:
                 f"save left data at {found}. Load an earlier checkpoint, or delete these and save again"
             )
         raise CheckpointNotFoundError(f"{loc}: no checkpoint found")
+    return data
+
+
+def parse_root_bytes(loc: location.Location, data: bytes) -> RootMetadata:
+    where = f"{loc}/{commit.ROOT_KEY}"
     return parse_root(loads(data, where), where)
 
 
 class Checkpoint:
     """A committed checkpoint, opened read-only."""
 
-    def __init__(self, path) -> None:
+    def __init__(self, path, _root: RootMetadata | None = None) -> None:
         self.location = location.parse(path)
-        self._meta = read_root(self.location)
+        self._meta = _root if _root is not None else read_root(self.location)
         self._arrays: dict[str, ts.TensorStore] = {}
 
     # -- metadata

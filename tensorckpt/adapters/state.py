@@ -15,16 +15,17 @@ import torch
 from ..errors import UnsupportedValueError
 from ..format.keys import flat_key
 from ..format.metadata import check_value
+from .sharded import is_tensor_leaf
 
 
 @dataclass(frozen=True)
 class Leaf:
     path: tuple[str, ...]
-    value: object  # a torch.Tensor, or JSON-able data (already checked on save)
+    value: object  # a tensor (torch.Tensor, DTensor, ShardedTensor) or JSON-able data
 
     @property
     def is_tensor(self) -> bool:
-        return isinstance(self.value, torch.Tensor)
+        return is_tensor_leaf(self.value)
 
 
 def flatten(state: Mapping, check_values: bool = True) -> dict[str, Leaf]:
@@ -42,7 +43,7 @@ def _walk(node: Mapping, prefix: tuple[str, ...], out: dict[str, Leaf], check: b
         key = flat_key(path)  # validates that name is a str
         if isinstance(value, Mapping) and value:
             _walk(value, path, out, check)
-        elif isinstance(value, torch.Tensor):
+        elif is_tensor_leaf(value):
             out[key] = Leaf(path, value)
         else:
             if check and isinstance(value, (list, tuple)) and any(isinstance(v, torch.Tensor) for v in value):

@@ -1,33 +1,71 @@
-"""Load: match the target state against the checkpoint index, then read every
-tensor concurrently straight into the target's memory."""
+"""Load: resharding happens here. Every rank matches its target state against
+the checkpoint index, then reads, for each tensor leaf, exactly the box it
+wants (its DTensor shard, its ShardedTensor box, or the whole tensor) straight
+into the target's memory. Only the inner chunks overlapping that box are
+fetched; no rank materializes more than its own target.
+
+Collectives: one broadcast of the root metadata from rank 0 (so thousands of
+ranks do not all read it), none for the data.
+"""
 
 from __future__ import annotations
 
 import warnings
 from collections.abc import MutableMapping
+from dataclasses import dataclass, field
 
 import numpy as np
 import tensorstore as ts
 import torch
 
+from ..adapters.sharded import local_part
 from ..adapters.state import flatten, set_leaf
-from ..checkpoint import Checkpoint, wait
-from ..errors import IncompatibleStateError
+from ..checkpoint import Checkpoint, parse_root_bytes, read_root_bytes, wait
+from ..errors import IncompatibleStateError, TensorckptError
 from ..format import dtypes
-from .save import _single_process
+from ..layout.boxes import Box, bytes_fetched
+from ..storage import location
+from .group import Group, capture, reraise
 
 
-def load(state: MutableMapping, path, *, process_group=None, strict: bool = True) -> MutableMapping:
+@dataclass
+class LoadStats:
+    """What one rank's load read: ``bytes_needed`` (its target boxes) and
+    ``bytes_read`` (the stored inner chunks those boxes overlap, decoded
+    whole). ``read_amplification`` is their ratio (1.0 is ideal)."""
+
+    bytes_needed: int = 0
+    bytes_read: int = 0
+    tensors: int = 0
+    per_tensor: dict[str, tuple[int, int]] = field(default_factory=dict)
+
+    @property
+    def read_amplification(self) -> float:
+        return self.bytes_read / self.bytes_needed if self.bytes_needed else 1.0
+
+
+def load(
+    state: MutableMapping, path, *, process_group=None, strict: bool = True, stats: LoadStats | None = None
+) -> MutableMapping:
     """Fill ``state`` in place from the checkpoint at ``path`` and return it.
 
-    Each tensor leaf is overwritten with the stored tensor of the same key
-    (same shape and dtype required); every other leaf is replaced by the
-    stored value. With ``strict`` a key present on one side only is an
-    :class:`IncompatibleStateError`; otherwise it is reported (a warning) and
-    skipped.
+    Each tensor leaf receives the stored data of its key: a plain tensor the
+    whole tensor, a DTensor its local shard under its own placements, a
+    :class:`~tensorckpt.ShardedTensor` its box, whatever layout wrote the
+    checkpoint. Global shape and dtype must match. Every other leaf is
+    replaced by the stored value. With ``strict``, a key present on one side
+    only is an :class:`IncompatibleStateError`; otherwise it is reported (a
+    warning) and skipped. Pass a :class:`LoadStats` as ``stats`` to learn the
+    bytes read versus needed on this rank.
     """
-    _single_process(process_group)
-    ckpt = Checkpoint(path)
+    g = Group(process_group)
+    loc = location.parse(path)
+    if g.distributed and not loc.is_local:
+        raise TensorckptError(f"{loc}: memory:// stores are per process; a distributed load needs a shared file path")
+    raw, err = capture(read_root_bytes, loc) if g.rank == 0 else (None, None)
+    raw, err = g.broadcast((raw, err))
+    reraise(err)
+    ckpt = Checkpoint(loc, _root=parse_root_bytes(loc, raw))
     index = ckpt.index
     targets = flatten(state, check_values=False)
     stored = set(index.tensors) | set(index.values)
@@ -41,7 +79,7 @@ def load(state: MutableMapping, path, *, process_group=None, strict: bool = True
             raise IncompatibleStateError(msg + ". Pass strict=False to load the keys both have")
         warnings.warn(msg + " (skipped, strict=False)", stacklevel=2)
 
-    reads = {}
+    reads: dict[str, tuple[torch.Tensor, Box]] = {}
     for key, leaf in targets.items():
         if key in index.values:
             if leaf.is_tensor:
@@ -55,34 +93,43 @@ def load(state: MutableMapping, path, *, process_group=None, strict: bool = True
                 "state; put a tensor of the stored shape and dtype there (see Checkpoint.info)"
             )
         e = index.tensors[key]
-        t = leaf.value
-        if tuple(t.shape) != e.shape or dtypes.torch_name(t.dtype) != e.dtype:
+        t, shape, box = local_part(key, leaf.value)
+        if shape != e.shape or dtypes.torch_name(t.dtype) != e.dtype:
             raise IncompatibleStateError(
                 f"{ckpt.path}: tensor {key!r} is stored as {list(e.shape)} {e.dtype} but the state "
-                f"wants {list(t.shape)} {dtypes.torch_name(t.dtype)}"
+                f"wants {list(shape)} {dtypes.torch_name(t.dtype)}"
             )
-        reads[key] = t
-    _read_into(ckpt, reads)
+        reads[key] = (t, box)
+    _read_into(ckpt, reads, stats)
     for key, leaf in targets.items():
         if key in index.values:
             set_leaf(state, leaf.path, index.values[key])
     return state
 
 
-def _read_into(ckpt: Checkpoint, targets: dict[str, torch.Tensor]) -> None:
+def _read_into(ckpt: Checkpoint, targets: dict[str, tuple[torch.Tensor, Box]], stats: LoadStats | None) -> None:
     """Issue every read at once, each into the target's own memory when it is a
     CPU tensor numpy can view; otherwise into a buffer, then copied."""
     srcs = ckpt.open_arrays(list(targets))
     pending, copies = [], []
-    for key, t in targets.items():
-        if t.numel() == 0:
+    for key, (t, box) in targets.items():
+        e = ckpt.index.tensors[key]
+        if stats is not None:
+            itemsize = dtypes.BY_TORCH[e.dtype].itemsize
+            need, got = box.numel * itemsize, bytes_fetched(e.shape, e.inner_chunk_shape, box, itemsize)
+            stats.bytes_needed += need
+            stats.bytes_read += got
+            stats.tensors += 1
+            stats.per_tensor[key] = (need, got)
+        if box.numel == 0:
             continue
         if t.device.type == "cpu" and not t.requires_grad:
             dst = dtypes.to_numpy(t)
         else:
             dst = np.empty(tuple(t.shape), dtype=dtypes.for_torch(t.dtype).numpy)
             copies.append((t, dst))
-        pending.append((key, ts.array(dst, copy=False, write=True).write(srcs[key])))
+        src = srcs[key][box.slices()] if box.shape else srcs[key]
+        pending.append((key, ts.array(dst, copy=False, write=True).write(src)))
     for key, fut in pending:
         wait(ckpt.path, key, fut)
     with torch.no_grad():
@@ -93,4 +140,3 @@ def _read_into(ckpt: Checkpoint, targets: dict[str, torch.Tensor]) -> None:
 def _list(keys: list[str], limit: int = 20) -> str:
     shown = ", ".join(repr(k) for k in keys[:limit])
     return shown + (f" and {len(keys) - limit} more" if len(keys) > limit else "")
-

@@ -1,6 +1,17 @@
-"""Synchronous save: plan -> create arrays -> write every chunk concurrently ->
-sync -> commit. Single process for now; the multi-writer protocol builds on
-the same plan (one writer per stored chunk)."""
+"""Save: a collective over the process group (trivial in one process).
+
+    every rank   flatten its state -> local plan (what it holds of each tensor)
+    gather       local plans -> rank 0                            (collective 1)
+    rank 0       global plan (chunk grids, one writer per stored object),
+                 commit.begin (exists? where to write)
+    broadcast    plan + commit decision, or an error              (collective 2)
+    every rank   write its boxes and its arrays' zarr.json, concurrently; sync
+    gather       success or error -> rank 0                       (collective 3)
+    rank 0       commit (root zarr.json last), or abort
+    broadcast    outcome                                          (collective 4)
+
+The number of collectives is constant, whatever the number of tensors.
+"""
 
 from __future__ import annotations
 
@@ -10,13 +21,15 @@ from collections.abc import Mapping
 import torch
 
 from .. import __version__
+from ..adapters.sharded import local_part
+from ..adapters.state import flatten
 from ..errors import TensorckptError, UnsupportedValueError
-from ..adapters.state import Leaf, flatten
 from ..format import dtypes
-from ..format.keys import flat_key
-from ..format.metadata import RootMetadata, TensorEntry, check_value, dumps, root_group_json
+from ..format.metadata import RootMetadata, check_value, dumps, root_group_json
 from ..layout import grid
+from ..layout.plan import LocalItem, LocalPlan, SavePlan, build_save_plan
 from ..storage import arrays, commit, kv, location
+from .group import Group, capture, reraise
 
 _GROUP_JSON = dumps({"zarr_format": 3, "node_type": "group", "attributes": {}})
 OPTIONS = ("metadata", "shard_bytes", "inner_chunk_bytes")
@@ -25,73 +38,129 @@ OPTIONS = ("metadata", "shard_bytes", "inner_chunk_bytes")
 def save(state: Mapping, path, *, process_group=None, overwrite: bool = False, **options) -> None:
     """Save ``state`` (a dict of tensors and JSON-able data) to ``path``.
 
-    The checkpoint is valid only once fully written (see the spec's commit
+    With several ranks this is a collective over ``process_group`` (default:
+    the default group when torch.distributed is initialized); each rank passes
+    its own local view: DTensors, :class:`~tensorckpt.ShardedTensor` boxes, or
+    plain tensors (the same full value on every rank that passes one).
+
+    The checkpoint is valid only once fully written (the spec's commit
     protocol); an existing checkpoint at ``path`` needs ``overwrite=True`` and
-    stays valid until the new one replaces it atomically.
+    stays valid until the new one replaces it.
 
     Options: ``metadata`` (JSON-able dict kept in the checkpoint's metadata),
     ``shard_bytes`` (largest stored object, default 64 MiB),
     ``inner_chunk_bytes`` (unit of partial reads, default 2 MiB).
     """
     _check_options(options)
-    _single_process(process_group)
+    g = Group(process_group)
     loc = location.parse(path)
+    local, err = capture(_local_plan, state, g, loc, options)
+    gathered = g.gather((local, err))
+    decision = None
+    if g.rank == 0:
+        decision = capture(_decide, gathered, loc, overwrite, options, g.size)
+    (decided, err) = g.broadcast(decision)
+    reraise(err)
+    plan, c, root_json = decided
+
+    _, err = capture(_write_local, state, plan, c.write_to, g.rank)
+    results = g.gather(err)
+    outcome = None
+    if g.rank == 0:
+        failed = next(((r, e) for r, e in enumerate(results) if e is not None), None)
+        if failed is not None:
+            commit.abort(c)
+            outcome = (failed[0], failed[1])
+        else:
+            _, e = capture(commit.finish, c, root_json)
+            if e is not None:
+                commit.abort(c)
+            outcome = (0, e)
+    rank, err = g.broadcast(outcome)
+    reraise(err, rank if g.distributed else None)
+
+
+# ----------------------------------------------------------------- steps
+
+
+def _local_plan(state: Mapping, g: Group, loc: location.Location, options: Mapping) -> LocalPlan:
+    if g.distributed and not loc.is_local:
+        raise TensorckptError(f"{loc}: memory:// stores are per process; a distributed save needs a shared file path")
+    items, values = [], {}
+    for key, leaf in flatten(state).items():
+        if leaf.is_tensor:
+            t, shape, box = local_part(key, leaf.value)
+            _check_tensor(key, t)
+            items.append(LocalItem(key, dtypes.for_torch(t.dtype, key).torch_name, shape, box))
+        else:
+            values[key] = leaf.value
+    return LocalPlan(g.rank, tuple(items), values)
+
+
+def _decide(gathered: list, loc: location.Location, overwrite: bool, options: Mapping, world: int):
+    """Rank 0: the global plan, where to write, and the root metadata."""
+    for rank, (_, err) in enumerate(gathered):
+        if err is not None:
+            reraise(err, rank if world > 1 else None)
+    plan = build_save_plan(
+        [p for p, _ in gathered],
+        options.get("shard_bytes") or grid.DEFAULT_SHARD_BYTES,
+        options.get("inner_chunk_bytes") or grid.DEFAULT_INNER_BYTES,
+    )
     user = check_value(options.get("metadata") or {}, "metadata")
     if not isinstance(user, dict):
         raise UnsupportedValueError("save(metadata=...) must be a dict")
-    leaves = flatten(state)
-    entries = {k: plan_entry(k, leaf.value, options) for k, leaf in leaves.items() if leaf.is_tensor}
-    values = {k: leaf.value for k, leaf in leaves.items() if not leaf.is_tensor}
     meta = RootMetadata(
-        tensors=entries,
-        values=values,
+        tensors=plan.entries,
+        values=plan.values,
         library_version=__version__,
         created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        world_size=1,
+        world_size=world,
         user_metadata=user,
     )
     root_json = root_group_json(meta)
     c = commit.begin(loc, overwrite, commit.new_token())
-    try:
-        _write_groups(c.write_to, leaves)
-        _write_arrays(c.write_to, {k: leaves[k] for k in entries}, entries)
-        commit.finish(c, root_json)
-    except BaseException:
-        commit.abort(c)
-        raise
+    return plan, c, root_json
 
 
-def plan_entry(key: str, t: torch.Tensor, options: Mapping) -> TensorEntry:
-    d = dtypes.for_torch(t.dtype, key)
-    if t.layout != torch.strided or t.is_meta:
-        raise UnsupportedValueError(f"{key!r}: only dense tensors with data can be saved (got {t.layout}, {t.device})")
-    shape = tuple(t.shape)
-    shard = grid.single_writer_chunks(shape, d.itemsize, options.get("shard_bytes", grid.DEFAULT_SHARD_BYTES))
-    inner = grid.inner_chunks(shard, d.itemsize, options.get("inner_chunk_bytes", grid.DEFAULT_INNER_BYTES))
-    return TensorEntry(d.torch_name, shape, shard, inner)
-
-
-def _write_groups(loc: location.Location, leaves: Mapping[str, Leaf]) -> None:
-    groups = {flat_key(leaf.path[:i]) for leaf in leaves.values() for i in range(1, len(leaf.path))}
-    kv.write_many(loc, {f"{g}/zarr.json": _GROUP_JSON for g in groups})
-
-
-def _write_arrays(loc: location.Location, leaves: Mapping[str, Leaf], entries: Mapping[str, TensorEntry]) -> None:
-    opened = {k: arrays.create(loc, k, e) for k, e in entries.items()}
+def _write_local(state: Mapping, plan: SavePlan, loc: location.Location, rank: int) -> None:
+    """Write this rank's boxes and metadata objects, all concurrently, then sync."""
+    leaves = flatten(state, check_values=False)
+    objects = {f"{k}/zarr.json": arrays.zarr_json(e) for k, e in plan.entries.items() if plan.meta_writers[k] == rank}
+    if rank == 0:
+        objects.update({f"{gk}/zarr.json": _GROUP_JSON for gk in _groups(plan)})
+    meta_write = kv.write_many_async(loc, objects)
+    mine = plan.writes_of(rank)
+    opened = {k: arrays.open_write(loc, k, plan.entries[k]) for k in {k for k, _ in mine}}
     writes = []
-    for key, fut in opened.items():
-        t = leaves[key].value.detach()
-        if t.device.type != "cpu":
-            t = t.cpu()
-        if t.numel() == 0:
-            fut.result()
-            continue
-        writes.append((key, fut.result().write(dtypes.to_numpy(t))))
+    for key, box in mine:
+        t = _host(local_part(key, leaves[key].value)[0])
+        if box.numel:
+            arr = opened[key].result()
+            writes.append((key, arr[box.slices()].write(dtypes.to_numpy(t)) if box.shape else arr.write(dtypes.to_numpy(t))))
     for key, w in writes:
         try:
             w.result()
         except Exception as e:  # TensorStore raises ValueError with a status string
             raise TensorckptError(f"{loc}: writing tensor {key!r} failed: {e}") from e
+    meta_write()
+    if loc.is_local:
+        kv.sync_tree(loc.path)
+
+
+def _groups(plan: SavePlan) -> set[str]:
+    keys = [*plan.entries, *plan.values]
+    return {k.rsplit("/", i)[0] for k in keys for i in range(1, k.count("/") + 1)}
+
+
+def _host(t: torch.Tensor) -> torch.Tensor:
+    t = t.detach()
+    return t.cpu() if t.device.type != "cpu" else t
+
+
+def _check_tensor(key: str, t: torch.Tensor) -> None:
+    if t.layout != torch.strided or t.is_meta:
+        raise UnsupportedValueError(f"{key!r}: only dense tensors with data can be saved (got {t.layout}, {t.device})")
 
 
 def _check_options(options: Mapping) -> None:
@@ -100,19 +169,8 @@ def _check_options(options: Mapping) -> None:
         raise TypeError(f"save() got unknown options {unknown}; known: {list(OPTIONS)}")
     for name in ("shard_bytes", "inner_chunk_bytes"):
         v = options.get(name)
-        if v is not None and (not isinstance(v, int) or v < 1):
+        if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
             raise ValueError(f"save({name}=...) must be a positive int, got {v!r}")
 
 
-def _single_process(process_group) -> None:
-    import torch.distributed as dist
-
-    if process_group is None and not (dist.is_available() and dist.is_initialized()):
-        return
-    world = dist.get_world_size(process_group) if dist.is_initialized() else 1
-    if world > 1:
-        raise NotImplementedError(
-            "tensorckpt does not save from several processes yet; call save() on one rank "
-            "with the full state, or pass process_group of size 1"
-        )
 

@@ -55,3 +55,10 @@ def _smallest_prime_factor(n: int) -> int:
             return f
         f += 1
     return n if f * f > n else f  # f > 16: some factor above 16 (or n prime)
+
+
+def cap_chunks(chunk: tuple[int, ...], itemsize: int, shard_bytes: int = DEFAULT_SHARD_BYTES) -> tuple[int, ...]:
+    """Split a writer-aligned chunk (from :func:`tensorckpt.layout.boxes.chunk_grid`)
+    into divisors of itself until it holds at most ``shard_bytes`` where
+    divisibility allows; chunk boundaries stay on the writers' boundaries."""
+    return inner_chunks(chunk, itemsize, shard_bytes)

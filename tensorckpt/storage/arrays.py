@@ -6,7 +6,7 @@ from __future__ import annotations
 import tensorstore as ts
 
 from ..format import dtypes
-from ..format.metadata import ATTRIBUTE, TensorEntry
+from ..format.metadata import ATTRIBUTE, TensorEntry, dumps
 from .location import CONTEXT, Location
 
 _BYTES = {"name": "bytes", "configuration": {"endian": "little"}}
@@ -41,15 +41,21 @@ def _spec(loc: Location, key: str) -> dict:
     return {"driver": "zarr3", "kvstore": loc.kvstore(key)}
 
 
-def create(loc: Location, key: str, entry: TensorEntry) -> ts.Future:
-    """Create the array ``key`` under ``loc``; every chunk is stored even when
-    it equals the fill value, so a missing chunk always means missing data."""
+def zarr_json(entry: TensorEntry) -> bytes:
+    """The bytes of the array's ``zarr.json``."""
+    return dumps({"zarr_format": 3, "node_type": "array", **zarr_metadata(entry)})
+
+
+def open_write(loc: Location, key: str, entry: TensorEntry) -> ts.Future:
+    """Open array ``key`` for writing chunks without touching its ``zarr.json``
+    (written separately, by one rank). Every chunk is stored even when it
+    equals the fill value, so a missing chunk always means missing data."""
     spec = _spec(loc, key) | {
         "metadata": zarr_metadata(entry),
-        "create": True,
+        "assume_metadata": True,
         "store_data_equal_to_fill_value": True,
     }
-    return ts.open(spec, context=CONTEXT)
+    return ts.open(spec, context=CONTEXT, write=True)
 
 
 def open_read(loc: Location, key: str) -> ts.Future:

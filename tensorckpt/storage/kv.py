@@ -95,6 +95,18 @@ def exchange(a: str, b: str) -> bool:
 
 def write_many(loc: Location, objects: dict[str, bytes]) -> None:
     """Write several small objects concurrently."""
+    write_many_async(loc, objects)()
+
+
+def write_many_async(loc: Location, objects: dict[str, bytes]):
+    """Start writing several small objects; returns a function that waits."""
+    if not objects:
+        return lambda: None
     store = _open(loc)
-    for f in [store.write(k, v) for k, v in objects.items()]:
-        f.result()
+    futures = [store.write(k, v) for k, v in objects.items()]
+
+    def wait() -> None:
+        for f in futures:
+            f.result()
+
+    return wait
