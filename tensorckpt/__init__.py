@@ -12,6 +12,7 @@ __version__ = "0.1.0"
 
 import tensorckpt_zarr_dtypes as _zarr_dtypes
 
+from .adapters.pipeline import shift_layers, stage_offset
 from .adapters.sharded import ShardedTensor
 from .checkpoint import Checkpoint, CheckpointMetadata, TensorInfo
 from .engine.load import LoadStats, load
@@ -41,7 +42,7 @@ def open(path) -> Checkpoint:  # noqa: A001 - the public name the API promises
 
 
 __all__ = [
-    "save", "load", "open", "ShardedTensor", "LoadStats", "Checkpoint", "CheckpointMetadata", "TensorInfo", "FORMAT_VERSION",
+    "save", "load", "open", "ShardedTensor", "LoadStats", "shift_layers", "stage_offset", "Checkpoint", "CheckpointMetadata", "TensorInfo", "FORMAT_VERSION",
     "TensorckptError", "CheckpointNotFoundError", "CheckpointExistsError", "IncompleteCheckpointError",
     "UnsupportedVersionError", "CorruptCheckpointError", "IncompatibleStateError",
     "UnsupportedValueError", "InvalidPathError", "InvalidIndexError",

@@ -5,7 +5,8 @@ into the target's memory. Only the inner chunks overlapping that box are
 fetched; no rank materializes more than its own target.
 
 Collectives: one broadcast of the root metadata from rank 0 (so thousands of
-ranks do not all read it), none for the data.
+ranks do not all read it) and one all-gather of key mismatches (so every rank
+makes the same strict decision); none for the data.
 """
 
 from __future__ import annotations
@@ -67,10 +68,17 @@ def load(
     reraise(err)
     ckpt = Checkpoint(loc, _root=parse_root_bytes(loc, raw))
     index = ckpt.index
-    targets = flatten(state, check_values=False)
+    targets, err = capture(flatten, state, False)
     stored = set(index.tensors) | set(index.values)
-    missing = sorted(set(targets) - stored)
-    unexpected = sorted(stored - set(targets))
+    missing = sorted(set(targets or ()) - stored)
+    unexpected = sorted(stored - set(targets or ()))
+    if g.distributed:  # a key is unexpected only if no rank wants it (pipeline stages hold disjoint keys)
+        everyone = g.all_gather((missing, unexpected, err))
+        for rank, (_, _, e) in enumerate(everyone):
+            reraise(e, rank)
+        missing = sorted(set().union(*(m for m, _, _ in everyone)))
+        unexpected = sorted(set.intersection(*(set(u) for _, u, _ in everyone)))
+    reraise(err)
     if missing or unexpected:
         msg = f"{ckpt.path}: state and checkpoint differ: " + "; ".join(
             f"{name}: {_list(keys)}" for name, keys in (("missing in checkpoint", missing), ("not in state", unexpected)) if keys
