@@ -198,10 +198,11 @@ def main() -> None:
     loads = "cold (page cache dropped before each load)" if cold_failure is None else f"WARM (could not drop page cache: {cold_failure})"
     print(f"\nloads: {loads}; saves: durable (fsync/syncfs) before the clock stops; DCP FileSystemWriter sync_files=True (default)")
     print(f"medians over {args.reps} reps, {nbytes / 1e9:.3f} GB of tensor data\n")
-    print(f"{'method':<12}{'save GB/s':>11}{'load GB/s':>11}   {'save s (each rep)':<24}{'load s (each rep)'}")
+    fmt = lambda xs: " ".join(f"{x:5.2f}" for x in xs)  # noqa: E731
+    w = max(len("save s (each rep)"), 6 * args.reps) + 2
+    print(f"{'method':<12}{'save GB/s':>11}{'load GB/s':>11}   {'save s (each rep)':<{w}}{'load s (each rep)'}")
     for name, r in results.items():
-        fmt = lambda xs: " ".join(f"{x:.2f}" for x in xs)  # noqa: E731
-        print(f"{name:<12}{r['save_GBps']:>11.3f}{r['load_GBps']:>11.3f}   {fmt(r['save_s']):<24}{fmt(r['load_s'])}")
+        print(f"{name:<12}{r['save_GBps']:>11.3f}{r['load_GBps']:>11.3f}   {fmt(r['save_s']):<{w}}{fmt(r['load_s'])}")
     print()
     for k, r in ratios.items():
         print(f"{k:<22} save x{r['save_GBps']:.2f}   load x{r['load_GBps']:.2f}   (>1: tensorckpt faster)")

@@ -27,7 +27,8 @@ def _name(s: str) -> str:
     return s if s and s.isprintable() and s.strip() == s and "/" not in s else repr(s)
 
 
-def inspect(path: str, as_json: bool = False, out=sys.stdout) -> int:
+def inspect(path: str, as_json: bool = False, out=None) -> int:
+    out = out or sys.stdout
     try:
         ckpt = Checkpoint(path)
     except IncompleteCheckpointError as e:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import itertools
 import math
 from dataclasses import dataclass
+from functools import cached_property
 
 from ..errors import IncompatibleStateError
 
@@ -25,11 +26,11 @@ class Box:
     def full(cls, shape) -> "Box":
         return cls((0,) * len(shape), tuple(shape))
 
-    @property
+    @cached_property
     def end(self) -> tuple[int, ...]:
         return tuple(o + s for o, s in zip(self.offset, self.shape))
 
-    @property
+    @cached_property
     def numel(self) -> int:
         return math.prod(self.shape)
 
@@ -73,16 +74,35 @@ def check_partition(key: str, shape: tuple[int, ...], boxes: list[Box]) -> None:
             raise IncompatibleStateError(f"{key!r}: shard {b.to_json()} lies outside the global shape {list(shape)}")
     if total == 0:
         return
-    nonempty = sorted(b for b in boxes if b.numel)
+    nonempty = [b for b in boxes if b.numel]
     covered = sum(b.numel for b in nonempty)
-    if covered == total and _disjoint(nonempty):
+    if covered == total and (_split_along_one_dim(shape, nonempty) or _disjoint(nonempty)):
         return
+    nonempty.sort()
     what = "overlap" if covered > total or not _disjoint(nonempty) else "leave elements uncovered"
     raise IncompatibleStateError(
         f"{key!r}: the ranks' shards of global shape {list(shape)} {what}: "
         f"{[b.to_json() for b in nonempty[:8]]}{' ...' if len(nonempty) > 8 else ''}; each element must be "
         "held by exactly one distinct shard (replicas must hold identical boxes)"
     )
+
+
+def _split_along_one_dim(shape: tuple[int, ...], boxes: list[Box]) -> bool:
+    """Fast path for the common layouts (row or column sharding): all boxes
+    span every dimension but one, and along it they follow each other with no
+    gap or overlap."""
+    varying = {d for b in boxes for d, (o, s) in enumerate(zip(b.offset, b.shape)) if o != 0 or s != shape[d]}
+    if len(varying) > 1:
+        return False
+    if not varying:
+        return len(boxes) == 1
+    d = varying.pop()
+    pos = 0
+    for b in sorted(boxes, key=lambda b: b.offset[d]):
+        if b.offset[d] != pos:
+            return False
+        pos += b.shape[d]
+    return pos == shape[d]
 
 
 def _disjoint(boxes: list[Box]) -> bool:

@@ -81,8 +81,9 @@ def build_save_plan(
         else:
             chunk = grid.cap_chunks(chunk_grid(first.shape, boxes), itemsize, shard_bytes)
         entries[key] = TensorEntry(first.dtype, first.shape, chunk, grid.inner_chunks(chunk, itemsize, inner_bytes))
-        for box in boxes:
-            writer = min(replicas[box], key=lambda r: (load[r], r))  # spread replicated writes
+        for box in boxes:  # replicated boxes go to the least-loaded holder
+            holders_of_box = replicas[box]
+            writer = holders_of_box[0] if len(holders_of_box) == 1 else min(holders_of_box, key=lambda r: (load[r], r))
             load[writer] += box.numel * itemsize
             writes.setdefault(writer, []).append((key, box))
             meta.setdefault(key, writer)

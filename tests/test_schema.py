@@ -1,0 +1,294 @@
+"""The JSON documents tensorckpt writes conform to the format spec (spec/format-v1.md)
+and its JSON Schemas (spec/schema/*.schema.json), and the schemas reject broken ones."""
+
+from __future__ import annotations
+
+import copy
+import itertools
+import json
+import math
+import os
+import random
+import re
+import struct
+from pathlib import Path
+
+import pytest
+import torch
+
+jsonschema = pytest.importorskip("jsonschema")
+from jsonschema import Draft202012Validator  # noqa: E402
+
+import tensorckpt  # noqa: E402
+from tensorckpt.errors import CorruptCheckpointError  # noqa: E402
+from tensorckpt.format.keys import escape, flat_key, split_flat_key  # noqa: E402
+
+SPEC = Path(__file__).resolve().parent.parent / "spec"
+ROOT_SCHEMA = json.loads((SPEC / "schema" / "root-v1.schema.json").read_text())
+ARRAY_SCHEMA = json.loads((SPEC / "schema" / "array-v1.schema.json").read_text())
+ROOT = Draft202012Validator(ROOT_SCHEMA)
+ARRAY = Draft202012Validator(ARRAY_SCHEMA)
+PLAIN_GROUP = {"zarr_format": 3, "node_type": "group", "attributes": {}}
+
+DTYPES = [
+    torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2,
+    torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8, torch.bool, torch.complex64, torch.complex128,
+]
+
+
+def _state() -> dict:
+    g = torch.Generator().manual_seed(0)
+    model = {}
+    for dt in DTYPES:
+        x = torch.randn(5, 3, generator=g) * 4
+        model[f"t_{str(dt).removeprefix('torch.')}"] = x > 0 if dt == torch.bool else x.to(dt)
+    return {
+        "model": model,
+        "big": torch.arange(300 * 7, dtype=torch.float32).reshape(300, 7),
+        "scalar": torch.tensor(1.5),
+        "empty": torch.zeros(0, 3),
+        "zeros": torch.zeros(16, 4, dtype=torch.bfloat16),  # equal to the fill value: still stored
+        "": {".": torch.ones(1), "..": {"__x": torch.ones(2)}, "a/b": torch.ones(1), "50%": 3},
+        "opt": {"lr": 0.1, "betas": [0.9, 0.999], "nothing": {}, "name": None, "tag": "ü"},
+        "step": 3,
+    }
+
+
+OPTIONS = {
+    "default": {},
+    "many_chunks": {"shard_bytes": 256, "inner_chunk_bytes": 64},
+}
+
+
+@pytest.fixture(scope="module", params=sorted(OPTIONS))
+def ckpt(request, tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("schema") / "ckpt"
+    tensorckpt.save(_state(), path, metadata={"run": "schema-test", "n": [1, 2]}, **OPTIONS[request.param])
+    return path
+
+
+def _documents(root: Path) -> dict[str, dict]:
+    """Every zarr.json under ``root`` by its node's path ('' for the root)."""
+    docs = {}
+    for dirpath, _, files in os.walk(root):
+        if "zarr.json" in files:
+            rel = os.path.relpath(dirpath, root)
+            docs["" if rel == "." else rel.replace(os.sep, "/")] = json.loads(Path(dirpath, "zarr.json").read_bytes())
+    return docs
+
+
+def _errors(validator, doc) -> list[str]:
+    return [f"{'/'.join(map(str, e.absolute_path))}: {e.message}" for e in validator.iter_errors(doc)]
+
+
+# ----------------------------------------------------------------- conformance
+
+
+def test_schemas_are_valid_draft_2020_12():
+    Draft202012Validator.check_schema(ROOT_SCHEMA)
+    Draft202012Validator.check_schema(ARRAY_SCHEMA)
+
+
+def test_every_document_conforms(ckpt):
+    docs = _documents(ckpt)
+    assert _errors(ROOT, docs.pop("")) == []
+    arrays = 0
+    for node, doc in docs.items():
+        if doc.get("node_type") == "array":
+            assert _errors(ARRAY, doc) == [], node
+            arrays += 1
+        else:
+            assert doc == PLAIN_GROUP, node
+    assert arrays == len(json.loads((ckpt / "zarr.json").read_bytes())["attributes"]["tensorckpt"]["tensors"])
+
+
+def test_writer_writes_every_root_member(ckpt):
+    meta = json.loads((ckpt / "zarr.json").read_bytes())["attributes"]["tensorckpt"]
+    assert set(meta) == {
+        "format_version", "must_understand", "library_version", "created", "world_size", "user_metadata", "tensors", "values"
+    }
+    assert meta["format_version"] == tensorckpt.FORMAT_VERSION
+    assert meta["must_understand"] == []
+    assert meta["world_size"] == 1
+    assert meta["user_metadata"] == {"run": "schema-test", "n": [1, 2]}
+    assert meta["values"]["opt/nothing"] == {}  # an empty dict is a value
+    assert meta["values"]["%/50%25"] == 3
+
+
+def test_index_agrees_with_the_tree(ckpt):
+    """The rules of spec section 9.5 that a JSON Schema cannot express."""
+    docs = _documents(ckpt)
+    meta = docs.pop("")["attributes"]["tensorckpt"]
+    tensors, values = meta["tensors"], meta["values"]
+    assert not set(tensors) & set(values)
+    keys = [*tensors, *values]
+    for key in keys:
+        assert flat_key(split_flat_key(key)) == key  # canonical
+    for a, b in itertools.permutations(keys, 2):
+        assert not b.startswith(a + "/"), f"{a!r} is a prefix of {b!r}"
+    prefixes = {k.rsplit("/", i)[0] for k in keys for i in range(1, k.count("/") + 1)}
+    assert {n for n, d in docs.items() if d["node_type"] == "group"} == prefixes
+    assert {n for n, d in docs.items() if d["node_type"] == "array"} == set(tensors)
+
+    for key, e in tensors.items():
+        a = docs[key]
+        shard = a["codecs"][0]["configuration"]
+        assert e["data_type"] == e["dtype"] == a["data_type"] == a["attributes"]["tensorckpt"]["dtype"]
+        assert a["shape"] == e["shape"]
+        assert a["chunk_grid"]["configuration"]["chunk_shape"] == e["chunk_shape"]
+        assert shard["chunk_shape"] == e["inner_chunk_shape"]
+        assert len(e["shape"]) == len(e["chunk_shape"]) == len(e["inner_chunk_shape"])
+        assert all(c % i == 0 for c, i in zip(e["chunk_shape"], e["inner_chunk_shape"]))
+        # every chunk of the grid is stored, and nothing else
+        grid = [range(math.ceil(s / c)) for s, c in zip(e["shape"], e["chunk_shape"])]
+        want = {"/".join(["c", *map(str, idx)]) for idx in itertools.product(*grid)}
+        base = ckpt / key
+        have = {
+            os.path.relpath(os.path.join(d, f), base).replace(os.sep, "/")
+            for d, _, fs in os.walk(base) for f in fs if f != "zarr.json"
+        }
+        assert have == want, key
+        # ... and every inner chunk of every shard: no "empty" index entries, index at the end
+        # (those lying wholly outside the array, in an edge chunk, excepted)
+        per = [c // i for c, i in zip(e["chunk_shape"], e["inner_chunk_shape"])]
+        n = math.prod(per)
+        for rel in have:
+            data = (base / rel).read_bytes()
+            index = struct.unpack(f"<{2 * n}Q", data[-(16 * n + 4):-4])
+            origin = [int(x) * c for x, c in zip(rel.split("/")[1:], e["chunk_shape"])]
+            for j, pos in enumerate(itertools.product(*map(range, per))):  # C order
+                off, size = index[2 * j], index[2 * j + 1]
+                inside = all(o + p * i < s for o, p, i, s in zip(origin, pos, e["inner_chunk_shape"], e["shape"]))
+                if not inside:  # not part of the array: may be absent (TensorStore marks it empty)
+                    continue
+                assert (off, size) != (2**64 - 1, 2**64 - 1), f"{key}/{rel}: inner chunk {pos} missing"
+                assert size > 4 and off + size <= len(data) - (16 * n + 4), f"{key}/{rel}: bad index entry"
+
+
+def test_spec_examples_conform():
+    """JSON blocks in format-v1.md marked <!-- schema: root|array --> are valid examples."""
+    text = (SPEC / "format-v1.md").read_text()
+    blocks = re.findall(r"<!-- schema: (root|array) -->\s*```json\n(.*?)```", text, re.S)
+    assert {kind for kind, _ in blocks} == {"root", "array"}
+    for kind, body in blocks:
+        assert _errors(ROOT if kind == "root" else ARRAY, json.loads(body)) == []
+
+
+def test_flat_key_pattern_is_the_reference_canonical_form():
+    pattern = re.compile(ROOT_SCHEMA["$defs"]["flatKey"]["pattern"])
+    rnd = random.Random(1)
+    alphabet = "%25FEfe._/aü4x"
+    for _ in range(20000):
+        s = "".join(rnd.choice(alphabet) for _ in range(rnd.randint(0, 9)))
+        try:
+            split_flat_key(s)
+            canonical = True
+        except CorruptCheckpointError:
+            canonical = False
+        assert canonical == bool(pattern.search(s)), s
+        if "/" not in s:
+            assert pattern.search(escape(s)), s
+    for name, escaped in [("", "%"), (".", "%2E"), ("..", "%2E%2E"), ("__x", "%5F_x"), ("a/b", "a%2Fb"), ("50%", "50%25")]:
+        assert escape(name) == escaped  # the spec's examples table
+    assert pattern.search("x" * 255) and not pattern.search("x" * 256)
+
+
+# ----------------------------------------------------------------- negatives
+
+
+@pytest.fixture(scope="module")
+def good_docs(tmp_path_factory) -> tuple[dict, dict, dict]:
+    path = tmp_path_factory.mktemp("neg") / "ckpt"
+    tensorckpt.save({"m": {"w": torch.ones(4, 3), "b": torch.zeros(3, dtype=torch.bfloat16)}, "step": 1}, path)
+    docs = _documents(path)
+    return docs[""], docs["m/w"], docs["m/b"]
+
+
+def _meta(d):
+    return d["attributes"]["tensorckpt"]
+
+
+def _shard(d):
+    return d["codecs"][0]["configuration"]
+
+
+BROKEN_ROOT = {
+    "missing format_version": lambda d: _meta(d).pop("format_version"),
+    "format_version 2.0": lambda d: _meta(d).update(format_version="2.0"),
+    "format_version not a string": lambda d: _meta(d).update(format_version=1.0),
+    "missing tensors": lambda d: _meta(d).pop("tensors"),
+    "no tensorckpt attribute": lambda d: d["attributes"].pop("tensorckpt"),
+    "node_type array": lambda d: d.update(node_type="array"),
+    "zarr_format 2": lambda d: d.update(zarr_format=2),
+    "unknown top-level member": lambda d: d.update(consolidated_metadata={"kind": "inline"}),
+    "data_type does not match dtype": lambda d: _meta(d)["tensors"]["m/w"].update(data_type="int32"),
+    "unknown dtype": lambda d: _meta(d)["tensors"]["m/w"].update(dtype="float4", data_type="float4"),
+    "key not canonical (__)": lambda d: _meta(d)["tensors"].update({"__x": _meta(d)["tensors"]["m/w"]}),
+    "key not canonical (..)": lambda d: _meta(d)["values"].update({"m/../x": 1}),
+    "key with empty component": lambda d: _meta(d)["values"].update({"a//b": 1}),
+    "tensor key names zarr.json": lambda d: _meta(d)["tensors"].update({"m/zarr.json": _meta(d)["tensors"]["m/w"]}),
+    "zero chunk dimension": lambda d: _meta(d)["tensors"]["m/w"].update(chunk_shape=[0, 3]),
+    "33 dimensions": lambda d: _meta(d)["tensors"]["m/w"].update(shape=[1] * 33),
+    "negative dimension": lambda d: _meta(d)["tensors"]["m/w"].update(shape=[-1, 3]),
+    "world_size 0": lambda d: _meta(d).update(world_size=0),
+    "must_understand not strings": lambda d: _meta(d).update(must_understand=[1]),
+    "user_metadata not an object": lambda d: _meta(d).update(user_metadata=[]),
+}
+
+BROKEN_ARRAY = {
+    "gzip instead of crc32c": lambda d: _shard(d)["codecs"].__setitem__(1, {"name": "gzip", "configuration": {"level": 1}}),
+    "no crc32c": lambda d: _shard(d)["codecs"].pop(1),
+    "index without crc32c": lambda d: _shard(d)["index_codecs"].pop(1),
+    "extra compressor": lambda d: _shard(d)["codecs"].append({"name": "zstd", "configuration": {"level": 0}}),
+    "no sharding": lambda d: d.update(codecs=[{"name": "bytes", "configuration": {"endian": "little"}}, {"name": "crc32c"}]),
+    "two codecs": lambda d: d["codecs"].append({"name": "crc32c"}),
+    "index at start": lambda d: _shard(d).update(index_location="start"),
+    "big endian": lambda d: _shard(d)["codecs"][0].update(configuration={"endian": "big"}),
+    "endian omitted for float32": lambda d: _shard(d)["codecs"][0].pop("configuration"),
+    "fill value 1": lambda d: d.update(fill_value=1.0),
+    "fill value NaN": lambda d: d.update(fill_value="NaN"),
+    "dtype attribute mismatch": lambda d: _meta(d).update(dtype="int32"),
+    "no tensorckpt attribute": lambda d: d["attributes"].pop("tensorckpt"),
+    "v2 chunk keys": lambda d: d.update(chunk_key_encoding={"name": "v2", "configuration": {"separator": "."}}),
+    "dot separator": lambda d: d.update(chunk_key_encoding={"name": "default", "configuration": {"separator": "."}}),
+    "rectilinear grid": lambda d: d["chunk_grid"].update(name="rectilinear"),
+    "storage transformer": lambda d: d.update(storage_transformers=[{"name": "x"}]),
+    "unknown member": lambda d: d.update(extra=1),
+    "group node": lambda d: d.update(node_type="group"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(BROKEN_ROOT))
+def test_broken_root_documents_fail(good_docs, name):
+    doc = copy.deepcopy(good_docs[0])
+    assert _errors(ROOT, doc) == []
+    BROKEN_ROOT[name](doc)
+    assert _errors(ROOT, doc), f"{name}: accepted"
+
+
+@pytest.mark.parametrize("name", sorted(BROKEN_ARRAY))
+def test_broken_array_documents_fail(good_docs, name):
+    doc = copy.deepcopy(good_docs[1])
+    assert _errors(ARRAY, doc) == []
+    BROKEN_ARRAY[name](doc)
+    assert _errors(ARRAY, doc), f"{name}: accepted"
+
+
+def test_equivalent_zarr_defaults_are_accepted(good_docs):
+    """Omitting members equal to their Zarr default (as TensorStore does when it
+    writes zarr.json itself) is allowed, but only where the default is right."""
+    doc = copy.deepcopy(good_docs[1])
+    doc["chunk_key_encoding"] = {"name": "default"}
+    _shard(doc).pop("index_location")
+    doc["dimension_names"] = [None, None]
+    doc["x_extension"] = {"must_understand": False}
+    assert _errors(ARRAY, doc) == []
+    one_byte = copy.deepcopy(good_docs[1])
+    one_byte.update(data_type="uint8", fill_value=0)
+    _meta(one_byte)["dtype"] = "uint8"
+    _shard(one_byte)["codecs"][0].pop("configuration")
+    assert _errors(ARRAY, one_byte) == []
+    bf16 = copy.deepcopy(good_docs[2])
+    assert bf16["data_type"] == "bfloat16" and _errors(ARRAY, bf16) == []
+    _shard(bf16)["codecs"][0].pop("configuration")
+    assert _errors(ARRAY, bf16)
