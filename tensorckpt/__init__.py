@@ -16,7 +16,7 @@ from .adapters.pipeline import shift_layers, stage_offset
 from .adapters.sharded import ShardedTensor
 from .checkpoint import Checkpoint, CheckpointMetadata, TensorInfo
 from .engine.load import LoadStats, load
-from .engine.save import save
+from .engine.save import SaveStats, save
 from .errors import (
     CheckpointExistsError,
     CheckpointNotFoundError,
@@ -42,7 +42,7 @@ def open(path) -> Checkpoint:  # noqa: A001 - the public name the API promises
 
 
 __all__ = [
-    "save", "load", "open", "ShardedTensor", "LoadStats", "shift_layers", "stage_offset", "Checkpoint", "CheckpointMetadata", "TensorInfo", "FORMAT_VERSION",
+    "save", "load", "open", "ShardedTensor", "LoadStats", "SaveStats", "shift_layers", "stage_offset", "Checkpoint", "CheckpointMetadata", "TensorInfo", "FORMAT_VERSION",
     "TensorckptError", "CheckpointNotFoundError", "CheckpointExistsError", "IncompleteCheckpointError",
     "UnsupportedVersionError", "CorruptCheckpointError", "IncompatibleStateError",
     "UnsupportedValueError", "InvalidPathError", "InvalidIndexError",

@@ -54,9 +54,15 @@ def read_root_bytes(loc: location.Location) -> bytes:
         stale = commit.leftovers(loc)
         if kv.exists(loc) or stale:
             found = ", ".join(str(s) for s in ([loc] if kv.exists(loc) else []) + stale)
+            whole = [str(s) for s in stale if kv.read(s, commit.ROOT_KEY) is not None]
+            hint = (
+                f" A complete checkpoint from an interrupted replace sits at {', '.join(whole)}: open or load it there."
+                if whole
+                else " Load an earlier checkpoint, or delete these and save again."
+            )
             raise IncompleteCheckpointError(
                 f"{loc}: the checkpoint was never committed (no root zarr.json); an interrupted "
-                f"save left data at {found}. Load an earlier checkpoint, or delete these and save again"
+                f"save left data at {found}.{hint}"
             )
         raise CheckpointNotFoundError(f"{loc}: no checkpoint found")
     return data
@@ -137,7 +143,7 @@ class Checkpoint:
 
     def open_arrays(self, keys) -> dict[str, ts.TensorStore]:
         """Open several arrays concurrently, validating each against the index."""
-        futures = {k: arrays.open_read(self.location, k) for k in keys if k not in self._arrays}
+        futures = {k: arrays.open_read(self.location, k, self._meta.tensors[k]) for k in keys if k not in self._arrays}
         for k, f in futures.items():
             a = wait(self.path, k, f)
             e = self._meta.tensors[k]
@@ -178,6 +184,11 @@ def wait(path: str, key: str, future):
         if "DATA_LOSS" in msg or "checksum" in msg.lower() or "digest" in msg.lower():
             raise CorruptCheckpointError(f"{path}: tensor {key!r}: stored data is corrupt ({msg})") from None
         if "NOT_FOUND" in msg:
-            raise CorruptCheckpointError(f"{path}: tensor {key!r}: array metadata is missing ({msg})") from None
+            what = "a stored chunk is missing" if "chunk" in msg else "its array metadata (zarr.json) is missing"
+            raise CorruptCheckpointError(f"{path}: tensor {key!r}: {what} ({msg})") from None
+        if "FAILED_PRECONDITION" in msg or "Mismatch" in msg:
+            raise CorruptCheckpointError(
+                f"{path}/{key}/zarr.json: the array metadata does not match the checkpoint index ({msg})"
+            ) from None
         raise CorruptCheckpointError(f"{path}: tensor {key!r}: {msg}") from None
 

@@ -10,13 +10,17 @@
     rank 0       commit (root zarr.json last), or abort
     broadcast    outcome                                          (collective 4)
 
-The number of collectives is constant, whatever the number of tensors.
+The number of collectives is constant, whatever the number of tensors. A
+save whose tensor layout (keys, shapes, dtypes, boxes) is the same on every
+rank as in the previous successful save over the same group reuses that
+save's plan: ranks send only their values, and rank 0 skips planning.
 """
 
 from __future__ import annotations
 
 import datetime
 from collections.abc import Mapping
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -27,15 +31,31 @@ from ..errors import TensorckptError, UnsupportedValueError
 from ..format import dtypes
 from ..format.metadata import RootMetadata, check_value, dumps, root_group_json
 from ..layout import grid
-from ..layout.plan import LocalItem, LocalPlan, SavePlan, build_save_plan
+from ..layout.plan import LocalItem, LocalPlan, SavePlan, build_save_plan, merge_values, plan_bytes
 from ..storage import arrays, commit, kv, location
 from .group import Group, capture, reraise
 
 _GROUP_JSON = dumps({"zarr_format": 3, "node_type": "group", "attributes": {}})
 OPTIONS = ("metadata", "shard_bytes", "inner_chunk_bytes")
 
+# Plan cache, per (process group, options): every rank keeps the layout it last
+# saved successfully; rank 0 also keeps everyone's local plans and the plan.
+_LAST_LAYOUT: dict[tuple, tuple] = {}
+_PLAN_CACHE: dict[tuple, tuple[list[LocalPlan], SavePlan]] = {}
 
-def save(state: Mapping, path, *, process_group=None, overwrite: bool = False, **options) -> None:
+
+@dataclass
+class SaveStats:
+    """What one rank's save did: whether the cached plan was reused, and the
+    bytes of tensor data this rank wrote."""
+
+    plan_cache_hit: bool = False
+    bytes_written: int = 0
+
+
+def save(
+    state: Mapping, path, *, process_group=None, overwrite: bool = False, stats: SaveStats | None = None, **options
+) -> None:
     """Save ``state`` (a dict of tensors and JSON-able data) to ``path``.
 
     With several ranks this is a collective over ``process_group`` (default:
@@ -49,19 +69,27 @@ def save(state: Mapping, path, *, process_group=None, overwrite: bool = False, *
 
     Options: ``metadata`` (JSON-able dict kept in the checkpoint's metadata),
     ``shard_bytes`` (largest stored object, default 64 MiB),
-    ``inner_chunk_bytes`` (unit of partial reads, default 2 MiB).
+    ``inner_chunk_bytes`` (unit of partial reads, default 2 MiB). Pass a
+    :class:`SaveStats` as ``stats`` to learn what this rank did.
     """
     _check_options(options)
     g = Group(process_group)
     loc = location.parse(path)
+    cache_key = (id(process_group), g.size, options.get("shard_bytes"), options.get("inner_chunk_bytes"))
     local, err = capture(_local_plan, state, g, loc, options)
-    gathered = g.gather((local, err))
+    layout = local.items if local is not None else None
+    same = layout is not None and _LAST_LAYOUT.get(cache_key) == layout
+    sent = replace(local, items=()) if same else local  # a cache hit sends only its values
+    gathered = g.gather((sent, same, err))
     decision = None
     if g.rank == 0:
-        decision = capture(_decide, gathered, loc, overwrite, options, g.size)
+        decision = capture(_decide, gathered, loc, overwrite, options, g.size, cache_key)
     (decided, err) = g.broadcast(decision)
     reraise(err)
-    plan, c, root_json = decided
+    plan, c, root_json, hit = decided
+    if stats is not None:
+        stats.plan_cache_hit = hit
+        stats.bytes_written = plan_bytes(plan, g.rank)
 
     _, err = capture(_write_local, state, plan, c.write_to, g.rank)
     results = g.gather(err)
@@ -77,7 +105,11 @@ def save(state: Mapping, path, *, process_group=None, overwrite: bool = False, *
                 commit.abort(c)
             outcome = (0, e)
     rank, err = g.broadcast(outcome)
+    if err is not None:
+        _LAST_LAYOUT.pop(cache_key, None)
+        _PLAN_CACHE.pop(cache_key, None)
     reraise(err, rank if g.distributed else None)
+    _LAST_LAYOUT[cache_key] = layout
 
 
 # ----------------------------------------------------------------- steps
@@ -97,16 +129,30 @@ def _local_plan(state: Mapping, g: Group, loc: location.Location, options: Mappi
     return LocalPlan(g.rank, tuple(items), values)
 
 
-def _decide(gathered: list, loc: location.Location, overwrite: bool, options: Mapping, world: int):
-    """Rank 0: the global plan, where to write, and the root metadata."""
-    for rank, (_, err) in enumerate(gathered):
+def _decide(gathered: list, loc: location.Location, overwrite: bool, options: Mapping, world: int, cache_key):
+    """Rank 0: the global plan (cached or new), where to write, and the root metadata."""
+    for rank, (_, _, err) in enumerate(gathered):
         if err is not None:
             reraise(err, rank if world > 1 else None)
-    plan = build_save_plan(
-        [p for p, _ in gathered],
-        options.get("shard_bytes") or grid.DEFAULT_SHARD_BYTES,
-        options.get("inner_chunk_bytes") or grid.DEFAULT_INNER_BYTES,
-    )
+    cached = _PLAN_CACHE.get(cache_key)
+    hit = cached is not None and all(same for _, same, _ in gathered)
+    if hit:
+        plans = [replace(old, values=new.values) for old, (new, _, _) in zip(cached[0], gathered)]
+        plan = replace(cached[1], values=merge_values(plans))
+    else:
+        if cached is not None:  # ranks whose layout did not change sent no items: take them from the cache
+            plans = [cached[0][r] if same and not new.items else new for r, (new, same, _) in enumerate(gathered)]
+            plans = [replace(p, values=new.values) for p, (new, _, _) in zip(plans, gathered)]
+        else:
+            if any(same for _, same, _ in gathered):
+                raise TensorckptError("plan cache out of step across ranks; call save() again")
+            plans = [new for new, _, _ in gathered]
+        plan = build_save_plan(
+            plans,
+            options.get("shard_bytes") or grid.DEFAULT_SHARD_BYTES,
+            options.get("inner_chunk_bytes") or grid.DEFAULT_INNER_BYTES,
+        )
+    _PLAN_CACHE[cache_key] = (plans, plan)
     user = check_value(options.get("metadata") or {}, "metadata")
     if not isinstance(user, dict):
         raise UnsupportedValueError("save(metadata=...) must be a dict")
@@ -120,7 +166,7 @@ def _decide(gathered: list, loc: location.Location, overwrite: bool, options: Ma
     )
     root_json = root_group_json(meta)
     c = commit.begin(loc, overwrite, commit.new_token())
-    return plan, c, root_json
+    return plan, c, root_json, hit
 
 
 def _write_local(state: Mapping, plan: SavePlan, loc: location.Location, rank: int) -> None:

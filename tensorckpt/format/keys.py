@@ -5,11 +5,16 @@ tuple of dict keys from the root. Each key becomes one Zarr node name, escaped
 so that any Python ``str`` round-trips exactly and no name is one Zarr forbids
 or reserves:
 
-1. every ``%`` becomes ``%25`` and every ``/`` becomes ``%2F``;
+1. every ``%`` becomes ``%25``, every ``/`` becomes ``%2F``, and every control
+   character (U+0000-U+001F, U+007F) becomes ``%XX`` (two upper-case hex digits);
 2. a name made only of periods (``.``, ``..``) has every period written ``%2E``;
 3. a name starting with ``__`` has its first underscore written ``%5F``;
-4. the empty name is written ``%``  (a lone ``%`` cannot come out of rules 1-3,
+4. the name ``zarr.json`` (it would collide with the parent group's metadata
+   file) is written ``zarr%2Ejson``;
+5. the empty name is written ``%``  (a lone ``%`` cannot come out of rules 1-4,
    where every ``%`` is followed by two hex digits).
+
+A key that is not valid Unicode text (a lone surrogate) cannot be stored.
 
 Unescaping is percent-decoding, plus rule 4. The *flat key* of a leaf is its
 escaped names joined with ``/``: that is the leaf's path inside the checkpoint.
@@ -24,6 +29,7 @@ from ..errors import CorruptCheckpointError, UnsupportedValueError
 EMPTY = "%"
 MAX_NAME_BYTES = 255  # common file-system limit on one path component
 _ESCAPE_RE = re.compile(r"%([0-9A-Fa-f]{2})")
+_UNSAFE_RE = re.compile(r"[%/\x00-\x1f\x7f]")
 
 
 def escape(name: str) -> str:
@@ -34,12 +40,18 @@ def escape(name: str) -> str:
         )
     if name == "":
         return EMPTY
-    out = name.replace("%", "%25").replace("/", "%2F")
+    out = _UNSAFE_RE.sub(lambda m: f"%{ord(m.group(0)):02X}", name)
     if set(out) == {"."}:
         out = "%2E" * len(out)
     elif out.startswith("__"):
         out = "%5F" + out[1:]
-    if len(out.encode("utf-8")) > MAX_NAME_BYTES:
+    elif out == "zarr.json":
+        out = "zarr%2Ejson"
+    try:
+        encoded = out.encode("utf-8")
+    except UnicodeEncodeError:
+        raise UnsupportedValueError(f"state-dict key {name!r} is not valid Unicode text (lone surrogate)") from None
+    if len(encoded) > MAX_NAME_BYTES:
         raise UnsupportedValueError(
             f"state-dict key {name[:40]!r}... is longer than {MAX_NAME_BYTES} bytes once escaped; "
             "shorten it (file systems limit one path component to 255 bytes)"

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from dataclasses import dataclass, field
 
 from ..errors import CorruptCheckpointError, UnsupportedValueError, UnsupportedVersionError
@@ -154,10 +155,10 @@ def parse_root(doc: object, where: str) -> RootMetadata:
 def _major(version: object, where: str) -> int:
     if not isinstance(version, str):
         raise CorruptCheckpointError(f"{where}: format_version must be a string like '1.0', got {version!r}")
-    parts = version.split(".")
-    if len(parts) != 2 or not all(p.isdigit() and len(p) < 6 for p in parts):
+    m = re.fullmatch(r"(0|[1-9][0-9]{0,5})\.(0|[1-9][0-9]{0,5})", version)
+    if m is None:
         raise CorruptCheckpointError(f"{where}: malformed format_version {version!r}")
-    return int(parts[0])
+    return int(m.group(1))
 
 
 def _parse_v1(meta: dict, where: str) -> RootMetadata:
@@ -180,6 +181,12 @@ def _parse_v1(meta: dict, where: str) -> RootMetadata:
         split_flat_key(key)
         if key in tensors:
             raise CorruptCheckpointError(f"{where}: key {key!r} is both a tensor and a value")
+    leaves = tensors.keys() | values.keys()
+    for key in leaves:
+        parts = key.split("/")
+        for i in range(1, len(parts)):
+            if "/".join(parts[:i]) in leaves:
+                raise CorruptCheckpointError(f"{where}: key {'/'.join(parts[:i])!r} is a leaf but also a prefix of {key!r}")
     user = _obj(meta.get("user_metadata", {}), f"{where}: user_metadata")
     world = meta.get("world_size", 1)
     if not isinstance(world, int) or isinstance(world, bool) or world < 1:
@@ -236,6 +243,17 @@ def _obj(v: object, where: str) -> dict:
 def loads(data: bytes, where: str) -> object:
     """Decode untrusted JSON bytes; raises CorruptCheckpointError naming ``where``."""
     try:
-        return json.loads(data.decode("utf-8"))
+        return json.loads(data.decode("utf-8"), parse_constant=_reject_constant, parse_float=_finite_float)
     except (UnicodeDecodeError, ValueError, RecursionError) as e:
         raise CorruptCheckpointError(f"{where}: not valid UTF-8 JSON ({e})") from None
+
+
+def _reject_constant(name: str):
+    raise ValueError(f"{name} is not JSON")
+
+
+def _finite_float(text: str) -> float:
+    v = float(text)
+    if not math.isfinite(v):
+        raise ValueError(f"number {text} overflows a float")
+    return v

@@ -50,10 +50,7 @@ def build_save_plan(
     for p in plans:
         for it in p.items:
             by_key.setdefault(it.key, []).append((p.rank, it))
-    values: dict = {}
-    for p in sorted(plans, key=lambda p: p.rank):  # the lowest rank holding a value wins
-        for k, v in p.values.items():
-            values.setdefault(k, v)
+    values = merge_values(plans)
     clash = sorted(set(values) & set(by_key))
     if clash:
         raise IncompatibleStateError(f"keys {clash[:10]} are tensors on some ranks and plain values on others")
@@ -89,6 +86,15 @@ def build_save_plan(
             meta.setdefault(key, writer)
         meta.setdefault(key, holders[0][0])
     return SavePlan(entries, {r: tuple(w) for r, w in writes.items()}, meta, values)
+
+
+def merge_values(plans: list[LocalPlan]) -> dict:
+    """Non-tensor values of all ranks; for a key several ranks hold, the lowest rank's."""
+    values: dict = {}
+    for p in sorted(plans, key=lambda p: p.rank):
+        for k, v in p.values.items():
+            values.setdefault(k, v)
+    return values
 
 
 def plan_bytes(plan: SavePlan, rank: int) -> int:

@@ -58,5 +58,10 @@ def open_write(loc: Location, key: str, entry: TensorEntry) -> ts.Future:
     return ts.open(spec, context=CONTEXT, write=True)
 
 
-def open_read(loc: Location, key: str) -> ts.Future:
-    return ts.open(_spec(loc, key) | {"open": True}, context=CONTEXT, read=True)
+def open_read(loc: Location, key: str, entry: TensorEntry) -> ts.Future:
+    """Open array ``key`` for reading. Its ``zarr.json`` must match what the
+    index says tensorckpt wrote (TensorStore checks every member: shape, data
+    type, chunking, codecs incl. crc32c, attributes), and a missing chunk is an
+    error, never read as the fill value."""
+    spec = _spec(loc, key) | {"open": True, "metadata": zarr_metadata(entry), "fill_missing_data_reads": False}
+    return ts.open(spec, context=CONTEXT, read=True)

@@ -68,6 +68,7 @@ def finish(c: Commit, root_json: bytes) -> None:
         return
     kv.write(c.write_to, ROOT_KEY, root_json)
     if c.staged:  # replace: the new checkpoint is complete at the staging prefix
+        kv.delete(c.target, ROOT_KEY)  # the old one stops being valid before any of its data goes
         kv.delete_all(c.target)
         kv.copy_all(c.write_to, c.target, skip=(ROOT_KEY,))
         kv.write(c.target, ROOT_KEY, root_json)
@@ -87,7 +88,7 @@ def _finish_local(c: Commit, root_json: bytes) -> None:
         kv.fsync_dir(parent)
         kv.delete_all(c.write_to)  # now holds the old checkpoint
     else:  # no atomic swap: move the old aside first; it stays whole until deleted
-        aside = f"{staging}.old"
+        aside = f"{staging}-old"
         os.rename(target, aside)
         os.rename(staging, target)
         kv.fsync_dir(parent)

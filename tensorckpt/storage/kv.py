@@ -27,6 +27,10 @@ def write(loc: Location, key: str, data: bytes) -> None:
     _open(loc).write(key, data).result()
 
 
+def delete(loc: Location, key: str) -> None:
+    _open(loc).delete_range(ts.KvStore.KeyRange(key, key + "\0")).result()
+
+
 def list_keys(loc: Location, limit: int | None = None) -> list[str]:
     """Keys under ``loc`` (relative to it), sorted; at most ``limit`` if given."""
     if loc.is_local and not os.path.isdir(loc.path):

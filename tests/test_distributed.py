@@ -1,0 +1,696 @@
+"""The save-world x load-world matrix, over real gloo process groups.
+
+Every world is spawned once per phase (process start-up dominates):
+
+    save  at world 1, 2, 3        every save case into <base>/s<W>/<case>
+    save  at world 4, then load   (the same 4 processes, after a barrier)
+    load  at world 3, 2, 1        every case from every save world
+
+Workers check every element against deterministic originals and return
+per-case results; the tests below assert on them in the parent, so a failure
+names its case (save world, load world, layout, key, rank).
+
+Cases: 1-D-mesh DTensors (Shard(0), Shard(1), Replicate; uneven dims, 1-D,
+0-d, bfloat16, int64 with fewer rows than ranks, a zero-size tensor) loaded
+as Shard(0) / Shard(1) / Replicate DTensors and plain tensors;
+np.array_split-style ShardedTensor layouts (incl. empty boxes); replicated
+plain tensors (write spreading); a [64, 64] tensor for LoadStats; at world 4
+2-D meshes (2x2, 4x1, HSDP [Replicate, Shard(0)], nested Shard(0) twice) and
+Megatron-style TP/PP layouts (TP=2/PP=2 <-> TP=4 <-> TP=1/PP=1, TP=1/PP=2).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+import warnings
+import zlib
+
+import numpy as np
+import pytest
+import torch
+
+_TESTS = os.path.dirname(os.path.abspath(__file__))
+if _TESTS not in sys.path:  # spawned workers import this module by name
+    sys.path.insert(0, _TESTS)
+
+import dist  # noqa: E402
+
+import tensorckpt  # noqa: E402
+from tensorckpt import ShardedTensor  # noqa: E402
+
+SAVE_WORLDS = (1, 2, 3, 4)
+LOAD_WORLDS = (1, 2, 3, 4)
+SENTINEL = -3
+
+# ---------------------------------------------------------------- originals
+
+# 1-D-mesh matrix tensors: key -> (shape, dtype)
+T1D = {
+    "w": ((10, 7), torch.float32),  # 10 and 7: divisible by none of 3, 4
+    "v": ((13,), torch.float32),
+    "scalar": ((), torch.float64),
+    "bf": ((6, 5), torch.bfloat16),
+    "few": ((3, 8), torch.int64),  # fewer rows than ranks at world 4
+    "empty": ((0, 4), torch.float32),
+}
+T2D = {"w": ((10, 7), torch.float32), "bf": ((6, 5), torch.bfloat16), "few": ((3, 8), torch.int64), "v": ((13,), torch.float32)}
+HSDP = {f"h{i}": ((8, 6), torch.float32) for i in range(4)} | {"w": ((10, 7), torch.float32)}
+REP = {f"p{i}": ((5, 3), torch.float32) for i in range(8)}
+SPLIT = {"x": ((10, 5), torch.float32), "cube": ((4, 5, 6), torch.float32), "tiny": ((2, 3), torch.float64)}
+BIG = (64, 64)
+
+
+def original(key: str, shape, dtype) -> torch.Tensor:
+    """Deterministic, all elements distinct (and exact in bfloat16 for < 256 elements)."""
+    n = math.prod(shape)
+    seed = zlib.crc32(key.encode()) % 50
+    base = torch.arange(1, n + 1, dtype=torch.float64).reshape(shape)
+    if dtype == torch.bfloat16:
+        return base.to(dtype)
+    if dtype.is_floating_point:
+        return (base * 0.25 + seed).to(dtype)
+    return (base + seed * 1000).to(dtype)
+
+
+def values(case: str, world: int) -> dict:
+    return {
+        "step": 100 + world,
+        "meta": {"case": case, "lrs": [0.1, 0.25], "flag": True, "none": None, "nested": {"a": [1, {"b": "c"}]}},
+        "empty_dict": {},
+    }
+
+
+def value_slots() -> dict:
+    return {"step": 0, "meta": {"case": None, "lrs": None, "flag": None, "none": 1, "nested": {"a": None}}, "empty_dict": None}
+
+
+def split_sizes(n: int, parts: int) -> list[int]:
+    return [len(a) for a in np.array_split(np.arange(n), parts)]
+
+
+# ------------------------------------------------------------ worker helpers
+
+_MESHES: dict = {}
+_WRITES: list = []
+
+
+def mesh(shape):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    shape = tuple(shape)
+    if shape not in _MESHES:
+        _MESHES[shape] = init_device_mesh("cpu", shape)
+    return _MESHES[shape]
+
+
+def placement(name: str, ndim: int):
+    from torch.distributed.tensor import Replicate, Shard
+
+    if name == "S0" and ndim >= 1:
+        return Shard(0)
+    if name == "S1" and ndim >= 2:
+        return Shard(1)
+    return Replicate()
+
+
+def _record_writes() -> None:
+    """Record the boxes the save plan gives this rank (wraps the library's
+    write step at run time; the library itself is untouched)."""
+    import tensorckpt.engine.save as save_mod
+
+    if getattr(save_mod._write_local, "_recording", False):
+        return
+    inner = save_mod._write_local
+
+    def recording(state, plan, loc, rank):
+        _WRITES.extend((k, b.offset, b.shape) for k, b in plan.writes_of(rank))
+        return inner(state, plan, loc, rank)
+
+    recording._recording = True
+    save_mod._write_local = recording
+
+
+def dsave(orig: torch.Tensor, m, placements):
+    from torch.distributed.tensor import distribute_tensor
+
+    return distribute_tensor(orig, m, list(placements))
+
+
+def dtarget(shape, dtype, m, placements):
+    """An empty (sentinel-filled) DTensor of the given layout."""
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    lshape, _ = compute_local_shape_and_global_offset(shape, m, list(placements))
+    local = torch.full(tuple(lshape), SENTINEL, dtype=dtype)
+    return DTensor.from_local(
+        local, m, list(placements), run_check=False, shape=torch.Size(shape), stride=torch.empty(shape).stride()
+    )
+
+
+def sharded(orig: torch.Tensor, dim: int, sizes: list[int], index: int, fill: bool = False) -> ShardedTensor:
+    off = sum(sizes[:index])
+    local = orig.narrow(dim, off, sizes[index]).clone()
+    if fill:
+        local.fill_(SENTINEL)
+    offset = [0] * orig.dim()
+    offset[dim] = off
+    return ShardedTensor(local, tuple(orig.shape), tuple(offset))
+
+
+def diff(got: torch.Tensor, exp: torch.Tensor) -> str | None:
+    if tuple(got.shape) != tuple(exp.shape) or got.dtype != exp.dtype:
+        return f"got {list(got.shape)} {got.dtype}, expected {list(exp.shape)} {exp.dtype}"
+    if torch.equal(got, exp):
+        return None
+    bad = (got != exp).nonzero()
+    at = tuple(bad[0].tolist())
+    return f"{len(bad)} of {exp.numel()} elements differ; first at {list(at)}: got {got[at].item()}, expected {exp[at].item()}"
+
+
+class Checks:
+    """Per-case results of one rank: (group, case, error or None)."""
+
+    def __init__(self) -> None:
+        self.rows: list[tuple[str, str, str | None]] = []
+
+    def add(self, group: str, case: str, err: str | None) -> None:
+        self.rows.append((group, case, err))
+
+    def load(self, group: str, case: str, state: dict, path: str, **kw) -> None:
+        """Load, recording (not raising) an error so every rank keeps in step."""
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                tensorckpt.load(state, path, **kw)
+            err = None
+        except Exception as e:  # noqa: BLE001 - reported per case
+            err = f"load raised {type(e).__name__}: {e}"
+        self.add(group, f"{case}: load", err)
+
+    def dtensor(self, group: str, case: str, got, orig: torch.Tensor) -> None:
+        """A loaded DTensor: its local shard, and (collective) its full value."""
+        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+        lshape, off = compute_local_shape_and_global_offset(orig.shape, got.device_mesh, got.placements)
+        exp = orig[tuple(slice(o, o + s) for o, s in zip(off, lshape))]
+        self.add(group, f"{case} local", diff(got.to_local(), exp))
+        self.add(group, f"{case} full_tensor", diff(got.full_tensor(), orig))
+
+    def tensor(self, group: str, case: str, got: torch.Tensor, exp: torch.Tensor) -> None:
+        self.add(group, case, diff(got, exp))
+
+    def values(self, group: str, case: str, state: dict, expected: dict) -> None:
+        got = {k: state[k] for k in expected}
+        self.add(group, f"{case} values", None if got == expected else f"values {got!r} != {expected!r}")
+
+
+# ---------------------------------------------------------------- save side
+
+
+def dt1d_state(world: int) -> dict:
+    m = mesh((world,))
+    state = {}
+    for g, pname in (("s0", "S0"), ("s1", "S1"), ("rep", "R")):
+        state[g] = {k: dsave(original(f"{g}/{k}", s, dt), m, [placement(pname, len(s))]) for k, (s, dt) in T1D.items()}
+    return state | values("dt1d", world)
+
+
+def split_state(rank: int, world: int) -> dict:
+    dims = {"x": 0, "cube": 2, "tiny": 0}
+    state = {k: sharded(original(k, s, dt), dims[k], split_sizes(s[dims[k]], world), rank) for k, (s, dt) in SPLIT.items()}
+    return {"model": state} | values("split", world)
+
+
+def rep_state(world: int) -> dict:
+    return {"rep": {k: original(k, s, dt) for k, (s, dt) in REP.items()}} | values("rep", world)
+
+
+def big_state(world: int) -> dict:
+    from torch.distributed.tensor import Shard
+
+    return {"big": dsave(original("big", BIG, torch.float32), mesh((world,)), [Shard(0)])}
+
+
+def mesh2d_state(case: str, world: int) -> dict:
+    from torch.distributed.tensor import Replicate, Shard
+
+    if case == "hsdp":
+        m, pls, specs = mesh((2, 2)), [Replicate(), Shard(0)], HSDP
+    elif case == "nested":
+        m, pls, specs = mesh((2, 2)), [Shard(0), Shard(0)], {"w": T2D["w"]}
+    else:
+        m = mesh((2, 2) if case == "m2x2" else (4, 1))
+        pls, specs = [Shard(0), Shard(1)], T2D
+    state = {}
+    for k, (s, dt) in specs.items():
+        p = pls if len(s) >= 2 else [Shard(0), Replicate()]
+        state[k] = dsave(original(f"{case}/{k}", s, dt), m, p)
+    return {"model": state} | values(case, world)
+
+
+# Megatron-style TP/PP: key -> (shape, dtype, TP split dim or None, layer)
+MEG = {"embedding.weight": ((12, 6), torch.float32, 0, "first")}
+for _i in range(4):
+    MEG[f"layers.{_i}.weight"] = ((8, 6), torch.bfloat16, 0, _i)  # column-parallel
+    MEG[f"layers.{_i}.proj"] = ((6, 8), torch.float32, 1, _i)  # row-parallel
+    MEG[f"layers.{_i}.norm"] = ((6,), torch.float32, None, _i)  # replicated over TP
+MEG["final_norm.weight"] = ((6,), torch.float32, None, "last")
+
+
+def meg_stage(layer, pp: int) -> int:
+    if layer == "first":
+        return 0
+    if layer == "last":
+        return pp - 1
+    return layer // (4 // pp)
+
+
+def meg_state(rank: int, tp: int, pp: int, fill: bool) -> dict:
+    """Rank -> (pp stage, tp rank) = divmod(rank, tp). Plain tensors when TP=1."""
+    p, t = divmod(rank, tp)
+    model = {}
+    for key, (shape, dt, dim, layer) in MEG.items():
+        if meg_stage(layer, pp) != p:
+            continue
+        orig = original(f"meg/{key}", shape, dt)
+        if dim is None or tp == 1:
+            model[key] = torch.full(shape, SENTINEL, dtype=dt) if fill else orig.clone()
+        else:
+            model[key] = sharded(orig, dim, [shape[dim] // tp] * tp, t, fill)
+    v = {"iteration": 1000, "args": {"hidden": 6, "layers": 4}}
+    return {"model": model} | (value_meg_slots() if fill else v)
+
+
+def value_meg_slots() -> dict:
+    return {"iteration": 0, "args": {"hidden": None, "layers": None}}
+
+
+def save_cases(rank: int, world: int) -> list:
+    cases = [
+        ("dt1d", lambda: dt1d_state(world)),
+        ("split", lambda: split_state(rank, world)),
+        ("rep", lambda: rep_state(world)),
+        ("big", lambda: big_state(world)),
+    ]
+    if world == 4:
+        cases += [(c, lambda c=c: mesh2d_state(c, world)) for c in ("m2x2", "m4x1", "hsdp", "nested")]
+        cases += [("tp2pp2", lambda: meg_state(rank, 2, 2, False)), ("tp4", lambda: meg_state(rank, 4, 1, False))]
+    return cases
+
+
+def bad_cases(rank: int, world: int) -> list:
+    """Layouts every rank must reject together (world >= 2)."""
+    t = torch.zeros(4, 3)
+    return [
+        ("bad_overlap", {"bad": {"w": ShardedTensor(t, (4 + world - 1, 3), (rank, 0))}}),  # rows overlap
+        ("bad_shape", {"bad": {"w": ShardedTensor(torch.zeros(1, 3), (world + rank, 3), (rank, 0))}}),
+    ]
+
+
+def save_all(rank: int, world: int, base: str) -> dict:
+    _record_writes()
+    out: dict = {"errors": {}, "writes": {}, "bad": {}}
+    for name, make in save_cases(rank, world):
+        _WRITES.clear()
+        try:
+            tensorckpt.save(make(), f"{base}/s{world}/{name}")
+        except Exception as e:  # noqa: BLE001 - reported per case
+            out["errors"][name] = f"{type(e).__name__}: {e}"
+        out["writes"][name] = list(_WRITES)
+    if world > 1:
+        for name, state in bad_cases(rank, world):
+            try:
+                tensorckpt.save(state, f"{base}/s{world}/{name}")
+                out["bad"][name] = None
+            except Exception as e:  # noqa: BLE001
+                out["bad"][name] = (type(e).__name__, str(e))
+    return out
+
+
+# ---------------------------------------------------------------- load side
+
+LOAD_VARIANTS = ("S0", "S1", "R", "plain")
+
+
+def load_dt1d(c: Checks, base: str, S: int, world: int) -> None:
+    m = mesh((world,))
+    group = f"dt1d/s{S}-l{world}"
+    for variant in LOAD_VARIANTS:
+        state = {}
+        for g in ("s0", "s1", "rep"):
+            state[g] = {}
+            for k, (s, dt) in T1D.items():
+                if variant == "plain":
+                    state[g][k] = torch.full(s, SENTINEL, dtype=dt)
+                else:
+                    state[g][k] = dtarget(s, dt, m, [placement(variant, len(s))])
+        state |= value_slots()
+        c.load(group, variant, state, f"{base}/s{S}/dt1d")
+        for g in ("s0", "s1", "rep"):
+            for k, (s, dt) in T1D.items():
+                orig = original(f"{g}/{k}", s, dt)
+                case = f"{variant} <- {g}/{k}{list(s)}"
+                if variant == "plain":
+                    c.tensor(group, case, state[g][k], orig)
+                else:
+                    c.dtensor(group, case, state[g][k], orig)
+        c.values(group, variant, state, values("dt1d", S))
+
+
+def load_split(c: Checks, rank: int, base: str, S: int, world: int) -> None:
+    group = f"split/s{S}-l{world}"
+    for variant in ("cols", "rows"):
+        state, expect = {}, {}
+        for k, (s, dt) in SPLIT.items():
+            orig = original(k, s, dt)
+            if variant == "cols":
+                dim = 1 if k != "cube" else 0
+                sizes = split_sizes(s[dim], world)
+            else:
+                dim = 0 if k != "cube" else 1
+                sizes = [7, 3] if (k == "x" and world == 2) else split_sizes(s[dim], world)[::-1]
+            state[k] = sharded(orig, dim, sizes, rank, fill=True)
+            expect[k] = sharded(orig, dim, sizes, rank).local
+        state = {"model": state} | value_slots()
+        c.load(group, variant, state, f"{base}/s{S}/split")
+        for k in SPLIT:
+            st = state["model"][k]
+            c.tensor(group, f"{variant} {k} box {list(st.global_offset)}+{list(st.local.shape)}", st.local, expect[k])
+        c.values(group, variant, state, values("split", S))
+
+
+def load_rep(c: Checks, base: str, S: int, world: int) -> None:
+    group = f"rep/s{S}-l{world}"
+    state = {"rep": {k: torch.full(s, SENTINEL, dtype=dt) for k, (s, dt) in REP.items()}} | value_slots()
+    c.load(group, "plain", state, f"{base}/s{S}/rep")
+    for k, (s, dt) in REP.items():
+        c.tensor(group, f"plain {k}", state["rep"][k], original(k, s, dt))
+    c.values(group, "plain", state, values("rep", S))
+
+
+def load_big(c: Checks, base: str, S: int, world: int) -> dict:
+    from torch.distributed.tensor import Shard
+
+    group = f"big/s{S}-l{world}"
+    out = {}
+    for variant, pl in (("S0", Shard(0)), ("S1", Shard(1))):
+        state = {"big": dtarget(BIG, torch.float32, mesh((world,)), [pl])}
+        stats = tensorckpt.LoadStats()
+        c.load(group, variant, state, f"{base}/s{S}/big", stats=stats)
+        c.dtensor(group, f"{variant} big", state["big"], original("big", BIG, torch.float32))
+        out[variant] = (stats.bytes_needed, stats.bytes_read, stats.read_amplification)
+    return out
+
+
+def load_mesh2d(c: Checks, base: str, world: int) -> None:
+    from torch.distributed.tensor import Replicate, Shard
+
+    targets = {  # case -> [(variant, mesh shape, placements for 2-D tensors)]
+        "m2x2": [("1x4 [R,S1]", (1, 4), [Replicate(), Shard(1)]), ("2x2 [S1,S0]", (2, 2), [Shard(1), Shard(0)])],
+        "m4x1": [("2x2 [S1,S0]", (2, 2), [Shard(1), Shard(0)])],
+        "hsdp": [("2x2 [S0,R]", (2, 2), [Shard(0), Replicate()])],
+        "nested": [("2x2 [S1,S0]", (2, 2), [Shard(1), Shard(0)])],
+    }
+    specs = {"m2x2": T2D, "m4x1": T2D, "hsdp": HSDP, "nested": {"w": T2D["w"]}}
+    for case, tlist in targets.items():
+        group = f"mesh2d/{case}-l{world}"
+        variants = [("1-D S1", (world,), None)] + (tlist if world == 4 else [])
+        for variant, mshape, pls in variants:
+            m = mesh(mshape)
+            state = {}
+            for k, (s, dt) in specs[case].items():
+                if pls is None:
+                    p = [placement("S1", len(s))]
+                else:
+                    p = pls if len(s) >= 2 else [Replicate(), Shard(0)]
+                state[k] = dtarget(s, dt, m, p)
+            state = {"model": state} | value_slots()
+            c.load(group, variant, state, f"{base}/s4/{case}")
+            for k, (s, dt) in specs[case].items():
+                c.dtensor(group, f"{variant} <- {k}{list(s)}", state["model"][k], original(f"{case}/{k}", s, dt))
+            c.values(group, variant, state, values(case, 4))
+
+
+MEG_LOADS = {  # load world -> [(source case, tp, pp)]
+    1: [("tp2pp2", 1, 1), ("tp4", 1, 1)],
+    2: [("tp2pp2", 1, 2), ("tp4", 1, 2)],
+    4: [("tp2pp2", 4, 1), ("tp4", 2, 2), ("tp2pp2", 2, 2)],
+}
+
+
+def load_megatron(c: Checks, rank: int, base: str, world: int) -> None:
+    for src, tp, pp in MEG_LOADS.get(world, []):
+        group = f"megatron/{src}->tp{tp}pp{pp}"
+        state = meg_state(rank, tp, pp, fill=True)
+        c.load(group, "load", state, f"{base}/s4/{src}", strict=pp == 1)
+        want = meg_state(rank, tp, pp, fill=False)
+        if set(state["model"]) != set(want["model"]):
+            c.add(group, "keys", f"{sorted(state['model'])} != {sorted(want['model'])}")
+        for key, exp in want["model"].items():
+            got = state["model"][key]
+            if isinstance(exp, ShardedTensor):
+                c.tensor(group, f"{key} box {list(exp.global_offset)}+{list(exp.local.shape)}", got.local, exp.local)
+            else:
+                c.tensor(group, f"{key} full", got, exp)
+        c.values(group, "load", state, {"iteration": 1000, "args": {"hidden": 6, "layers": 4}})
+
+
+def load_all(rank: int, world: int, base: str) -> dict:
+    c = Checks()
+    stats = {}
+    for S in SAVE_WORLDS:
+        load_dt1d(c, base, S, world)
+        load_split(c, rank, base, S, world)
+        load_rep(c, base, S, world)
+        stats[S] = load_big(c, base, S, world)
+    load_mesh2d(c, base, world)
+    load_megatron(c, rank, base, world)
+    return {"checks": c.rows, "stats": stats}
+
+
+def save_then_load(rank: int, world: int, base: str) -> tuple:
+    import torch.distributed as tdist
+
+    saved = save_all(rank, world, base)
+    tdist.barrier()
+    return saved, load_all(rank, world, base)
+
+
+# ------------------------------------------------------------------ parent
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    base = str(tmp_path_factory.mktemp("matrix"))
+    saves, loads = {}, {}
+    for w in (1, 2, 3):
+        saves[w] = dist.run(w, save_all, base)
+    both = dist.run(4, save_then_load, base)
+    saves[4] = [s for s, _ in both]
+    loads[4] = [ld for _, ld in both]
+    for w in (3, 2, 1):
+        loads[w] = dist.run(w, load_all, base)
+    return base, saves, loads
+
+
+def group_results(loads, world: int, group: str) -> tuple[int, list[str]]:
+    n, bad = 0, []
+    for rank, res in enumerate(loads[world]):
+        for g, case, err in res["checks"]:
+            if g == group:
+                n += 1
+                if err is not None:
+                    bad.append(f"rank {rank}/{world}: {case}: {err}")
+    return n, bad
+
+
+def assert_group(runs, world: int, group: str) -> None:
+    _, _, loads = runs
+    n, bad = group_results(loads, world, group)
+    assert n, f"{group}: no checks ran"
+    assert not bad, f"{group}: {len(bad)} of {n} checks failed:\n  " + "\n  ".join(bad[:40])
+
+
+MATRIX = [(s, l) for s in SAVE_WORLDS for l in LOAD_WORLDS]
+MATRIX_IDS = [f"save{s}-load{l}" for s, l in MATRIX]
+
+
+@pytest.mark.parametrize("S", SAVE_WORLDS, ids=lambda s: f"save{s}")
+def test_saves_commit(runs, S):
+    base, saves, _ = runs
+    errors = [f"rank {r}: {case}: {e}" for r, res in enumerate(saves[S]) for case, e in res["errors"].items()]
+    assert not errors, "\n".join(errors)
+    for case, _ in save_cases(0, S):
+        ck = tensorckpt.open(f"{base}/s{S}/{case}")
+        assert ck.metadata.world_size == S
+
+
+@pytest.mark.parametrize("S", SAVE_WORLDS, ids=lambda s: f"save{s}")
+def test_every_stored_object_has_one_writer(runs, S):
+    """Across ranks, each (key, box) is written once, and the written boxes
+    of every tensor tile it (checked against the index's chunk grid)."""
+    base, saves, _ = runs
+    for case, _ in save_cases(0, S):
+        writes = [(k, tuple(o), tuple(s), r) for r, res in enumerate(saves[S]) for k, o, s in res["writes"][case]]
+        seen = {}
+        for k, o, s, r in writes:
+            assert (k, o, s) not in seen, f"{case}: {k} box {o}+{s} written by ranks {seen[(k, o, s)]} and {r}"
+            seen[(k, o, s)] = r
+        ck = tensorckpt.open(f"{base}/s{S}/{case}")
+        for key, e in ck.index.tensors.items():
+            counts = np.zeros(e.shape, dtype=np.int64)
+            for k, o, s, _ in writes:
+                if k == key:
+                    counts[tuple(slice(a, a + b) for a, b in zip(o, s))] += 1
+            assert np.all(counts == 1), f"{case}/{key}: written boxes do not tile {list(e.shape)}"
+            for k, o, s, _ in writes:
+                if k == key:  # every writer's box starts on a chunk boundary
+                    assert all(a % c == 0 for a, c in zip(o, e.chunk_shape)), (case, key, o, e.chunk_shape)
+
+
+@pytest.mark.parametrize("S", [2, 3, 4], ids=lambda s: f"save{s}")
+def test_bad_layouts_rejected_on_every_rank(runs, S):
+    base, saves, _ = runs
+    for case in ("bad_overlap", "bad_shape"):
+        got = [res["bad"][case] for res in saves[S]]
+        for r, err in enumerate(got):
+            assert err is not None, f"{case}: rank {r} of {S} saved an invalid layout"
+            assert err[0] == "IncompatibleStateError", f"{case}: rank {r}: {err}"
+            assert "'bad/w'" in err[1], f"{case}: rank {r}: error does not name the key: {err[1]}"
+        with pytest.raises(tensorckpt.CheckpointNotFoundError):
+            tensorckpt.open(f"{base}/s{S}/{case}")
+
+
+@pytest.mark.parametrize("S,L", MATRIX, ids=MATRIX_IDS)
+def test_dtensor_1d_matrix(runs, S, L):
+    assert_group(runs, L, f"dt1d/s{S}-l{L}")
+
+
+@pytest.mark.parametrize("S,L", MATRIX, ids=MATRIX_IDS)
+def test_sharded_irregular_matrix(runs, S, L):
+    """np.array_split-style ShardedTensor boxes (rows 4,3,3 at world 3), loaded
+    by columns and by a different row split (7,3 at world 2)."""
+    assert_group(runs, L, f"split/s{S}-l{L}")
+
+
+@pytest.mark.parametrize("S,L", MATRIX, ids=MATRIX_IDS)
+def test_replicated_plain_matrix(runs, S, L):
+    assert_group(runs, L, f"rep/s{S}-l{L}")
+
+
+@pytest.mark.parametrize("S,L", MATRIX, ids=MATRIX_IDS)
+def test_big_matrix(runs, S, L):
+    assert_group(runs, L, f"big/s{S}-l{L}")
+
+
+@pytest.mark.parametrize("case", ["m2x2", "m4x1", "hsdp", "nested"])
+@pytest.mark.parametrize("L", LOAD_WORLDS, ids=lambda l: f"load{l}")
+def test_mesh_2d(runs, case, L):
+    assert_group(runs, L, f"mesh2d/{case}-l{L}")
+
+
+MEG_CASES = [(L, src, tp, pp) for L, lst in MEG_LOADS.items() for src, tp, pp in lst]
+
+
+@pytest.mark.parametrize("L,src,tp,pp", MEG_CASES, ids=[f"{s}->tp{t}pp{p}" for _, s, t, p in MEG_CASES])
+def test_megatron_tp_pp(runs, L, src, tp, pp):
+    assert_group(runs, L, f"megatron/{src}->tp{tp}pp{pp}")
+
+
+@pytest.mark.parametrize("S", SAVE_WORLDS, ids=lambda s: f"save{s}")
+def test_replicated_writes_spread(runs, S):
+    """8 equal plain tensors replicated on S ranks: at most ceil(8/S) per rank."""
+    _, saves, _ = runs
+    per_rank = [len(res["writes"]["rep"]) for res in saves[S]]
+    assert sum(per_rank) == len(REP)
+    assert max(per_rank) <= -(-len(REP) // S), per_rank
+
+
+def test_hsdp_writes_spread(runs):
+    """[Replicate(), Shard(0)] on 2x2: each row half has 2 replicas; 4 equal
+    tensors -> 8 boxes, 2 per rank (every rank writes)."""
+    _, saves, _ = runs
+    per_rank = [sum(1 for k, _, _ in res["writes"]["hsdp"] if k.startswith("model/h")) for res in saves[4]]
+    assert per_rank == [2, 2, 2, 2], per_rank
+
+
+@pytest.mark.parametrize("L", LOAD_WORLDS, ids=lambda l: f"load{l}")
+def test_values_returned_to_every_rank(runs, L):
+    _, _, loads = runs
+    for rank, res in enumerate(loads[L]):
+        rows = [(g, c, e) for g, c, e in res["checks"] if c.endswith(" values")]
+        assert len(rows) >= 4 * len(SAVE_WORLDS), f"rank {rank}: only {len(rows)} value checks"
+        bad = [f"{g}: {c}: {e}" for g, c, e in rows if e]
+        assert not bad, f"rank {rank} of {L}:\n" + "\n".join(bad)
+
+
+def _edge_padded_amplification(S: int, rank: int) -> float:
+    """What a Shard(0) reader at the saving world reads: its own box, plus the
+    zero padding of the array's last chunk (stored at full chunk size)."""
+    rows = -(-BIG[0] // S)
+    start = rank * rows
+    need = max(0, min(BIG[0], start + rows) - start)
+    return rows / need if need else 1.0
+
+
+@pytest.mark.parametrize("S", SAVE_WORLDS, ids=lambda s: f"save{s}")
+def test_load_stats_same_world(runs, S):
+    _, _, loads = runs
+    for rank, res in enumerate(loads[S]):
+        need, got, amp = res["stats"][S]["S0"]
+        rows = -(-BIG[0] // S)
+        assert need == max(0, min(BIG[0], (rank + 1) * rows) - rank * rows) * BIG[1] * 4, (rank, need)
+        assert amp == pytest.approx(_edge_padded_amplification(S, rank)), (rank, need, got, amp)
+        if BIG[0] % S == 0:
+            assert amp == 1.0
+
+
+def test_load_stats_reshard_report(runs, capsys):
+    """Report (loosely bound) the read amplification of every reshard."""
+    _, _, loads = runs
+    lines = ["read amplification of a [64, 64] float32 Shard(0) checkpoint (max over ranks):"]
+    for S in SAVE_WORLDS:
+        for L in LOAD_WORLDS:
+            for variant in ("S0", "S1"):
+                amps = [res["stats"][S][variant][2] for res in loads[L]]
+                assert all(1.0 <= a <= 4.0 for a in amps), (S, L, variant, amps)
+                lines.append(f"  save {S} Shard(0) -> load {L} {variant}: {max(amps):.3f}")
+    with capsys.disabled():
+        print("\n" + "\n".join(lines))
+
+
+@pytest.mark.parametrize("S", SAVE_WORLDS, ids=lambda s: f"save{s}")
+def test_open_reads_slices(runs, S):
+    """tensorckpt.open() on a distributed checkpoint in this single process."""
+    base = runs[0]
+    rng = np.random.default_rng(S)
+    ck = tensorckpt.open(f"{base}/s{S}/dt1d")
+    assert ck.read("step") == 100 + S
+    for g in ("s0", "s1", "rep"):
+        for k, (s, dt) in T1D.items():
+            orig = original(f"{g}/{k}", s, dt)
+            assert torch.equal(ck.read(f"{g}/{k}"), orig), (g, k)
+            for _ in range(6 if s else 0):
+                idx = []
+                for n in s:
+                    if n and rng.random() < 0.2:
+                        idx.append(int(rng.integers(0, n)))
+                    else:
+                        a = int(rng.integers(0, n + 1))
+                        b = int(rng.integers(a, n + 1))
+                        idx.append(slice(a, b, int(rng.integers(1, 4))))
+                got = ck.read(f"{g}/{k}", index=tuple(idx))
+                exp = orig[tuple(idx)]
+                assert torch.equal(got, exp), f"{g}/{k}{list(s)}[{idx}]: {got} != {exp}"
+    for case in ("split", "tp2pp2") if S == 4 else ("split",):
+        whole = tensorckpt.open(f"{base}/s{S}/{case}").to_state_dict()
+        if case == "split":
+            for k, (s, dt) in SPLIT.items():
+                assert torch.equal(whole["model"][k], original(k, s, dt)), k
+        else:
+            for key, (s, dt, _, _) in MEG.items():
+                assert torch.equal(whole["model"][key], original(f"meg/{key}", s, dt)), key
+            assert whole["iteration"] == 1000
