@@ -24,6 +24,8 @@ import torch
 import tensorckpt
 from tensorckpt.format.keys import escape
 
+pytestmark = pytest.mark.usefixtures("fresh_plan_cache")
+
 CORE = [torch.float64, torch.float32, torch.float16, torch.int8, torch.int16, torch.int32, torch.int64,
         torch.uint8, torch.bool, torch.complex64, torch.complex128]
 EXTENDED = [torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2]

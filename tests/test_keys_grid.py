@@ -15,6 +15,8 @@ from tensorckpt.errors import CorruptCheckpointError, UnsupportedValueError
 from tensorckpt.format import keys
 from tensorckpt.layout import grid
 
+pytestmark = pytest.mark.usefixtures("fresh_plan_cache")
+
 FAST = settings(max_examples=200, deadline=None)
 SAVES = settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 
@@ -43,6 +45,12 @@ EXAMPLES = [
     ("layers.0.weight", "layers.0.weight"),
     ("é🙂漢字", "é🙂漢字"),
     (" ", " "),
+    ("zarr.json", "zarr%2Ejson"),
+    ("zarr.jsonx", "zarr.jsonx"),
+    ("a\nb", "a%0Ab"),
+    ("\x00", "%00"),
+    ("\x1f\x7f", "%1F%7F"),
+    ("\t__", "%09__"),
 ]
 
 
@@ -58,6 +66,8 @@ def _check_escaped(node: str) -> None:
     assert not node.startswith("__")
     assert node not in (".", "..")
     assert set(node) != {"."}
+    assert node != "zarr.json"
+    assert not any(ord(c) < 0x20 or c == "\x7f" for c in node)
 
 
 @FAST
@@ -79,7 +89,7 @@ def test_escape_round_trips_any_text(name):
 
 def _escaped_len(name: str) -> int:
     """Length in bytes of the escaped name, computed independently."""
-    out = name.replace("%", "%25").replace("/", "%2F")
+    out = "".join("%XX" if c in "%/\x7f" or ord(c) < 0x20 else c for c in name)
     if out and set(out) == {"."}:
         return 3 * len(out)
     return len(out.encode("utf-8")) + (2 if out.startswith("__") else 0)
@@ -96,7 +106,7 @@ def test_escape_round_trips_tricky_alphabet(name):
 @pytest.mark.parametrize(
     "node",
     ["", ".", "..", "__x", "a/b", "/", "%2f", "%2e", "%41", "%%", "%2", "%ZZ", "50%", "%5Fx", "%2E.", ".%2E",
-     "%5F%5Fx", "%2Ea", "%00%", "a%2fb", "%2525%"],
+     "%5F%5Fx", "%2Ea", "%00%", "a%2fb", "%2525%", "zarr.json", "zarr%2ejson", "a\nb", "\x00", "%0a", "\x7f"],
 )
 def test_unescape_rejects_non_canonical_names(node):
     with pytest.raises(CorruptCheckpointError, match="invalid escaped key"):
@@ -140,12 +150,14 @@ def test_escape_rejects_non_str_and_overlong():
         keys.escape("é" * 128)  # 256 UTF-8 bytes
 
 
-# Names a local file system (through TensorStore's file kvstore) cannot hold
-# as written, though escape() passes them through unchanged.
-@pytest.mark.xfail(strict=True, reason="BUG: format/keys.py escape() lets through names the file layout cannot "
-                   "store: 'zarr.json' (collides with the group/array metadata file), names ending in '.__lock' "
-                   "(rejected by TensorStore's file kvstore), NUL (invalid in file names)")
-@pytest.mark.parametrize("name", ["zarr.json", "x.__lock", ".__lock", "a\x00b"], ids=repr)
+_LOCK_BUG = pytest.mark.xfail(strict=True, reason="BUG: format/keys.py escape() lets through names ending in "
+                              "'.__lock', which TensorStore's file kvstore rejects ('Invalid file path')")
+
+
+# Names a local file system (through TensorStore's file kvstore) must be able
+# to hold: escape() has to rewrite them.
+@pytest.mark.parametrize("name", ["zarr.json", "a\x00b", "\n", pytest.param("x.__lock", marks=_LOCK_BUG),
+                                  pytest.param(".__lock", marks=_LOCK_BUG)], ids=repr)
 def test_escaped_names_are_storable_on_a_file_system(name):
     node = keys.escape(name)
     assert node != "zarr.json"
@@ -157,7 +169,7 @@ def test_escaped_names_are_storable_on_a_file_system(name):
 # ----------------------------------------------------------------- keys through save()
 
 SAVE_KEYS = ["", ".", "..", "...", "__x", "_x", "a/b", "50%", "%2F", "%", "é🙂漢字", " ", "\n", "c", "0",
-             "layers.0.weight", "a" * 200]
+             "layers.0.weight", "a" * 200, "zarr.json", "a\x00b", "\x7f", "zarr.json.__lockx", "a:b*c?", "<|>\""]
 
 
 def _state_with_keys(names):
@@ -196,20 +208,48 @@ def test_special_keys_through_save(where, tmp_path, mem_url):
         assert names == {keys.escape(k) for k in SAVE_KEYS} | {"zarr.json"}
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: keys 'zarr.json', '*.__lock' and ones containing NUL fail on a local "
-                   "path with raw OSError/ValueError (see format/keys.py escape)")
-@pytest.mark.parametrize("name", ["zarr.json", "x.__lock", "a\x00b"], ids=repr)
+@pytest.mark.xfail(strict=True, reason="BUG: keys ending in '.__lock' fail on a local path with a raw "
+                   "TensorStore error (see format/keys.py escape)")
+@pytest.mark.parametrize("name", ["x.__lock", ".__lock"], ids=repr)
 def test_file_system_hostile_keys_through_save(name, tmp_path):
     state = {name: torch.arange(3), "g": {name: torch.arange(2), "o": 1}}
     tensorckpt.save(state, tmp_path / "ckpt")
     _assert_same(tensorckpt.open(tmp_path / "ckpt").to_state_dict(), state)
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: lone surrogates: format/keys.py escape() and metadata.dumps() raise "
-                   "UnicodeEncodeError instead of UnsupportedValueError naming the key")
-@pytest.mark.parametrize("state", [{"\ud800": 1}, {"v": "\udcff"}, {"t": torch.ones(1), "m": ["ok", "\ud83d"]}], ids=repr)
-def test_lone_surrogates_are_unsupported_values(state, mem_url):
+@pytest.mark.xfail(strict=True, reason="BUG: format/keys.py escape() leaves '\\' as is, but TensorStore's file "
+                   "kvstore treats a backslash in a kvstore path as a separator: the data of key 'a\\b' lands in "
+                   "a/b/ (colliding with key a/b: silent corruption), and names like '\\', 'a\\', '\\.' are "
+                   "rejected as invalid file paths")
+@pytest.mark.parametrize("name", ["\\", "a\\", "\\a", "\\.", "x\\..\\y", "a\\b"], ids=repr)
+def test_backslash_keys_through_save(name, tmp_path):
+    state = {name: torch.arange(3), "a": {"b": torch.zeros(3, dtype=torch.int64)}, "g": {name: torch.arange(2)}}
+    tensorckpt.save(state, tmp_path / "ckpt")
+    _assert_same(tensorckpt.open(tmp_path / "ckpt").to_state_dict(), state)
+    assert "\\" not in keys.escape(name)
+
+
+def test_backslash_keys_through_memory(mem_url):
+    state = {"a\\b": torch.arange(3), "a": {"b": torch.zeros(3, dtype=torch.int64)}, "\\": 1, "\\.": torch.ones(1)}
+    url = mem_url()
+    tensorckpt.save(state, url)
+    _assert_same(tensorckpt.open(url).to_state_dict(), state)
+
+
+def test_lone_surrogate_key_is_unsupported(mem_url):
     with pytest.raises(UnsupportedValueError):
+        tensorckpt.save({"\ud800": 1}, mem_url())
+    with pytest.raises(UnsupportedValueError):
+        tensorckpt.save({"g": {"a\udcffb": torch.ones(1)}}, mem_url())
+
+
+@pytest.mark.xfail(strict=True, reason="BUG: lone surrogates in str values / user metadata: format/metadata.py "
+                   "check_value accepts them, dumps() then raises UnicodeEncodeError (surfacing as a bare "
+                   "TensorckptError) instead of UnsupportedValueError naming the key")
+@pytest.mark.parametrize("state,key", [({"v": "\udcff"}, "v"), ({"t": torch.ones(1), "m": ["ok", "\ud83d"]}, "m")],
+                         ids=["value", "list_item"])
+def test_lone_surrogate_values_are_unsupported(state, key, mem_url):
+    with pytest.raises(UnsupportedValueError, match=key):
         tensorckpt.save(state, mem_url())
 
 
@@ -231,16 +271,17 @@ def test_any_text_keys_round_trip_through_memory(mem_url, state):
     _assert_same(tensorckpt.open(url).to_state_dict(), state)
 
 
-# The local-file variant excludes NUL and the '.__lock' suffix (see the xfail
-# above); remove the filter once escape() handles them.
-_fs_key = st.text(alphabet=st.characters(blacklist_characters="\x00"), max_size=12).filter(
-    lambda s: not s.endswith(".__lock") and s != "zarr.json")
+# The local-file variant excludes the '.__lock' suffix and backslashes (see the
+# xfails above); remove the filter once escape() handles them.
+_fs_key = st.text(max_size=12).filter(lambda s: not s.endswith(".__lock") and "\\" not in s)
 
 
-@settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=10, deadline=None)
 @given(st.dictionaries(_fs_key, st.dictionaries(_fs_key, _leaf, min_size=1, max_size=3) | _leaf, max_size=4))
 def test_any_text_keys_round_trip_through_files(tmp_path_factory, state):
     path = tmp_path_factory.mktemp("k") / "ckpt"
+    # (the anchor tensor keeps this clear of the values-only bug, see test_errors.py)
+    state = {"root": state, "anchor": torch.ones(1)}
     tensorckpt.save(state, path)
     _assert_same(tensorckpt.open(path).to_state_dict(), state)
 
@@ -301,6 +342,17 @@ def test_single_writer_chunks(shape, itemsize, shard_bytes):
         assert chunk[0] == 1 or chunk[0] * row <= shard_bytes  # one row is the floor
     else:
         assert chunk == ()
+
+
+@FAST
+@given(_dims, _itemsize, st.integers(min_value=1, max_value=1 << 26))
+def test_cap_chunks_divide_the_writer_chunk(chunk, itemsize, shard_bytes):
+    chunk = tuple(chunk)
+    capped = grid.cap_chunks(chunk, itemsize, shard_bytes)
+    assert len(capped) == len(chunk)
+    assert all(c % k == 0 for c, k in zip(chunk, capped))  # stays on the writers' boundaries
+    if math.prod(capped) * itemsize > shard_bytes:
+        assert not any(_splittable(k) for k in capped)
 
 
 @FAST

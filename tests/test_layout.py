@@ -303,6 +303,39 @@ def test_read_plan_covers_target_exactly_once(case):
 
 
 @SETTINGS
+@given(
+    nonzero_shapes.flatmap(
+        lambda s: st.tuples(st.just(s), partitions(st.just(s)), partitions(st.just(s)), st.sampled_from(DTYPE_NAMES))
+    )
+)
+def test_read_plan_reshards_any_source_to_any_target(case):
+    """Source partition -> its stored chunk grid; every box of a different
+    target partition is read exactly once, each piece from one stored chunk
+    that lies in one source box; the target boxes together read every element once."""
+    shape, (_, src_boxes, _), (_, dst_boxes, _), dtype = case
+    src = sorted(set(nonempty(src_boxes)))
+    itemsize = dtypes.BY_TORCH[dtype].itemsize
+    chunk = chunk_grid(shape, src)
+    inner = grid.inner_chunks(chunk, itemsize, 64)
+    total = np.zeros(shape, dtype=np.int64)
+    for want in dst_boxes:
+        counts = np.zeros(want.shape, dtype=np.int64)
+        for p in read_plan(shape, chunk, want):
+            stored = chunk_box(p.chunk, chunk, shape)
+            assert inside(p.src, stored)
+            assert sum(inside(stored, b) for b in src) == 1, (stored, src)
+            counts[p.dst.slices()] += 1
+            total[p.src.slices()] += 1
+        assert np.all(counts == 1)
+        need = want.numel * itemsize
+        got = bytes_fetched(shape, inner, want, itemsize)
+        assert got >= need
+        if all(o % c == 0 and e % c == 0 for o, e, c in zip(want.offset, want.end, inner)):
+            assert got == need
+    assert np.all(total == 1)
+
+
+@SETTINGS
 @given(chunked, st.sampled_from([1, 2, 4, 8]))
 def test_bytes_fetched(case, itemsize):
     shape, inner, want = case

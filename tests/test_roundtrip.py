@@ -17,6 +17,8 @@ import torch
 
 import tensorckpt
 
+pytestmark = pytest.mark.usefixtures("fresh_plan_cache")
+
 DTYPES = [
     torch.float64, torch.float32, torch.float16, torch.bfloat16,
     torch.float8_e4m3fn, torch.float8_e5m2,

@@ -1,0 +1,2 @@
+"""tensorckpt format conformance: golden v1 checkpoints and a reusable pytest
+suite (see README.md)."""
