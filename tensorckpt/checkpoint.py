@@ -121,10 +121,7 @@ class Checkpoint:
         e = self._entry(k)
         arr = self.array(k)
         if index is not None:
-            try:
-                arr = arr[index if isinstance(index, tuple) else (index,)]
-            except (IndexError, ValueError, TypeError) as err:
-                raise InvalidIndexError(f"{self.path}: index {index!r} of tensor {k!r} with shape {e.shape}: {err}") from None
+            arr = arr[_normalize_index(index, e.shape, f"{self.path}: tensor {k!r}")]
         d = dtypes.BY_TORCH[e.dtype]
         out = np.empty(tuple(arr.shape), dtype=d.numpy)
         self.read_into(k, arr, out)
@@ -173,6 +170,36 @@ class Checkpoint:
             kind = "a value, not a tensor" if k in self._meta.values else "not in the checkpoint"
             raise KeyError(f"{self.path}: key {k!r} is {kind}")
         return e
+
+
+def _normalize_index(index, shape: tuple[int, ...], where: str) -> tuple:
+    """Indices as torch understands them (negative ints and slice bounds count
+    from the end; slices clamp), checked against ``shape`` before any read."""
+    index = index if isinstance(index, tuple) else (index,)
+    if sum(ix is Ellipsis for ix in index) > 1:
+        raise InvalidIndexError(f"{where}: an index can have only one Ellipsis")
+    if Ellipsis in index:
+        at = index.index(Ellipsis)
+        index = index[:at] + (slice(None),) * (len(shape) - len(index) + 1) + index[at + 1 :]
+    if len(index) > len(shape):
+        raise InvalidIndexError(f"{where}: {len(index)} indices for a {len(shape)}-d tensor of shape {list(shape)}")
+    out = []
+    for i, (ix, n) in enumerate(zip(index, shape)):
+        if isinstance(ix, slice):
+            try:
+                start, stop, step = ix.indices(n)
+            except (TypeError, ValueError) as err:
+                raise InvalidIndexError(f"{where}: bad slice {ix!r} in dimension {i}: {err}") from None
+            if step < 1:
+                raise InvalidIndexError(f"{where}: slice {ix!r} in dimension {i} needs a positive step")
+            out.append(slice(start, max(start, stop), step))
+        elif isinstance(ix, int) and not isinstance(ix, bool):
+            if not -n <= ix < n:
+                raise InvalidIndexError(f"{where}: index {ix} is out of range for dimension {i} of size {n}")
+            out.append(ix % n)
+        else:
+            raise InvalidIndexError(f"{where}: index {ix!r} in dimension {i} is not an int or a slice")
+    return tuple(out)
 
 
 def wait(path: str, key: str, future):

@@ -713,6 +713,25 @@ def test_bad_layouts_rejected_on_every_rank(runs, S):
             tensorckpt.open(f"{base}/s{S}/{case}")
 
 
+@pytest.mark.parametrize("S", SAVE_WORLDS, ids=lambda s: f"save{s}")
+def test_save_options_honored(runs, S):
+    """split_small / big_small repeat a layout just saved, with other
+    shard_bytes / inner_chunk_bytes: their chunking follows the options."""
+    base = runs[0]
+
+    def entries(case):
+        return tensorckpt.open(f"{base}/s{S}/{case}").index.tensors
+
+    for key, e in entries("split_small").items():
+        itemsize = torch.empty((), dtype=getattr(torch, e.dtype)).element_size()
+        assert math.prod(e.chunk_shape) * itemsize <= 24, (key, e)
+        assert math.prod(e.inner_chunk_shape) * itemsize <= 8, (key, e)
+    big, small = entries("big")["big"], entries("big_small")["big"]
+    assert big.chunk_shape == small.chunk_shape == (-(-BIG[0] // S), BIG[1])
+    assert big.inner_chunk_shape == big.chunk_shape
+    assert math.prod(small.inner_chunk_shape) * 4 <= 1024, small
+
+
 @pytest.mark.parametrize("S,L", MATRIX, ids=MATRIX_IDS)
 def test_dtensor_1d_matrix(runs, S, L):
     assert_group(runs, L, f"dt1d/s{S}-l{L}")

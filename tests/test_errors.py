@@ -209,7 +209,7 @@ BAD_ROOTS = {
     "bad_flat_key": lambda d: _index(d)["tensors"].update({"__x": _index(d)["tensors"]["w"]}),
     "bad_value_key": lambda d: _index(d)["values"].update({"a//b": 1}),
 }
-_NO_WHERE = pytest.mark.xfail(strict=True, reason="BUG: format/metadata.py _parse_v1 calls split_flat_key(key) "
+_NO_WHERE = pytest.mark.regression(reason="fixed bug: format/metadata.py _parse_v1 calls split_flat_key(key) "
                               "without context; the CorruptCheckpointError does not name the zarr.json file")
 
 
@@ -456,7 +456,7 @@ def test_unsupported_values(case, tmp_path):
     assert os.listdir(tmp_path) == []  # nothing left behind
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: adapters/state.py _walk calls flat_key(path) whose escape() error "
+@pytest.mark.regression(reason="fixed bug: adapters/state.py _walk calls flat_key(path) whose escape() error "
                    "names only the offending key (3), not where it is (model/layer)")
 def test_non_str_key_error_names_its_parent(tmp_path):
     with pytest.raises(UnsupportedValueError, match="model/layer"):
@@ -558,14 +558,20 @@ def test_malformed_read_index(ckpt, index):
     assert isinstance(ei.value, IndexError)
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: checkpoint.py Checkpoint.read: TensorStore domains have implicit upper "
+@pytest.mark.regression(reason="fixed bug: checkpoint.py Checkpoint.read: TensorStore domains have implicit upper "
                    "bounds, so an index past the end passes arr[index] and fails only at read time, reported as "
                    "CorruptCheckpointError")
-@pytest.mark.parametrize("index", [(6,), (0, 10), (slice(2, 7),), (slice(0, 6), slice(5, 11))], ids=repr)
+@pytest.mark.parametrize("index", [(6,), (0, 10), (-7,)], ids=repr)
 def test_out_of_bounds_read_index(ckpt, index):
     with pytest.raises(InvalidIndexError) as ei:
         tensorckpt.open(ckpt).read("w", index)
     assert "'w'" in str(ei.value)
+
+
+@pytest.mark.parametrize("index", [(slice(2, 7),), (slice(0, 6), slice(5, 11))], ids=repr)
+def test_slices_past_the_end_clamp_like_torch(ckpt, index):
+    c = tensorckpt.open(ckpt)
+    assert torch.equal(c.read("w", index), c.read("w")[index])
 
 
 def test_out_of_bounds_read_index_below_zero(ckpt):
@@ -619,17 +625,17 @@ def _save_failing(error, path, **kw):
     time.sleep(0.1)  # let stray writes land, if any were left in flight
 
 
-_IN_FLIGHT = ("BUG: engine/save.py _write_local: when one tensor fails, the writes already issued (chunk writes, "
+_IN_FLIGHT = ("fixed bug: engine/save.py _write_local: when one tensor fails, the writes already issued (chunk writes, "
               "kv.write_many_async of the zarr.json files) are not awaited before commit.abort deletes the staging "
               "location, so they land afterwards and leave staging leftovers / a half-written target")
 ERRORS = [
     pytest.param(OSError(28, "injected: No space left on device"), id="OSError",
-                 marks=pytest.mark.xfail(strict=True, reason=_IN_FLIGHT)),
-    pytest.param(RuntimeError("injected"), id="RuntimeError", marks=pytest.mark.xfail(
-        strict=True, reason="BUG: engine/save.py: capture() catches only TensorckptError/TypeError/ValueError/"
+                 marks=pytest.mark.regression(reason=_IN_FLIGHT)),
+    pytest.param(RuntimeError("injected"), id="RuntimeError", marks=pytest.mark.regression(
+        reason="fixed bug: engine/save.py: capture() catches only TensorckptError/TypeError/ValueError/"
         "NotImplementedError/OSError; any other exception escapes save() without commit.abort")),
-    pytest.param(KeyboardInterrupt("injected"), id="KeyboardInterrupt", marks=pytest.mark.xfail(
-        strict=True, reason="BUG: engine/save.py: a KeyboardInterrupt mid-write escapes save() without commit.abort")),
+    pytest.param(KeyboardInterrupt("injected"), id="KeyboardInterrupt", marks=pytest.mark.regression(
+        reason="fixed bug: engine/save.py: a KeyboardInterrupt mid-write escapes save() without commit.abort")),
 ]
 
 
@@ -662,14 +668,14 @@ def test_failed_save_memory_leaves_nothing_and_keeps_previous(error, mem_url):
     assert tensorckpt.open(url).keys() == ["n"]
 
 
-_PLAN_CACHE_BUG = ("BUG: engine/save.py _decide stores the new plan in _PLAN_CACHE before the save can still fail "
+_PLAN_CACHE_BUG = ("fixed bug: engine/save.py _decide stores the new plan in _PLAN_CACHE before the save can still fail "
                    "(metadata check, CheckpointExistsError from commit.begin), while _LAST_LAYOUT keeps the last "
                    "successful layout; the next save with that layout 'hits' the cache and writes the failed save's "
                    "plan: tensors silently missing from a committed checkpoint, or a failed write")
 
 
-@pytest.mark.parametrize("failure", [pytest.param("exists", marks=pytest.mark.xfail(strict=True, reason=_PLAN_CACHE_BUG)),
-                                     pytest.param("bad_metadata", marks=pytest.mark.xfail(strict=True, reason=_PLAN_CACHE_BUG)),
+@pytest.mark.parametrize("failure", [pytest.param("exists", marks=pytest.mark.regression(reason=_PLAN_CACHE_BUG)),
+                                     pytest.param("bad_metadata", marks=pytest.mark.regression(reason=_PLAN_CACHE_BUG)),
                                      "unsupported_value"])
 def test_failed_save_does_not_affect_the_next_save(failure, tmp_path):
     a = {"w": W.clone(), "b": torch.arange(4)}
@@ -700,7 +706,7 @@ def test_failed_save_with_unsupported_value_keeps_previous(tmp_path):
     assert torch.equal(tensorckpt.load(_target(), p)["w"], W)
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: engine/save.py _write_local calls kv.sync_tree(loc.path) on a staging "
+@pytest.mark.regression(reason="fixed bug: engine/save.py _write_local calls kv.sync_tree(loc.path) on a staging "
                    "directory nothing created when the state has no tensors and no groups (only top-level values, or "
                    "empty): FileNotFoundError -> TensorckptError")
 @pytest.mark.parametrize("state", [{"step": 1, "name": "x"}, {}], ids=["values_only", "empty"])

@@ -150,7 +150,7 @@ def test_escape_rejects_non_str_and_overlong():
         keys.escape("é" * 128)  # 256 UTF-8 bytes
 
 
-_LOCK_BUG = pytest.mark.xfail(strict=True, reason="BUG: format/keys.py escape() lets through names ending in "
+_LOCK_BUG = pytest.mark.regression(reason="fixed bug: format/keys.py escape() lets through names ending in "
                               "'.__lock', which TensorStore's file kvstore rejects ('Invalid file path')")
 
 
@@ -208,7 +208,7 @@ def test_special_keys_through_save(where, tmp_path, mem_url):
         assert names == {keys.escape(k) for k in SAVE_KEYS} | {"zarr.json"}
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: keys ending in '.__lock' fail on a local path with a raw "
+@pytest.mark.regression(reason="fixed bug: keys ending in '.__lock' fail on a local path with a raw "
                    "TensorStore error (see format/keys.py escape)")
 @pytest.mark.parametrize("name", ["x.__lock", ".__lock"], ids=repr)
 def test_file_system_hostile_keys_through_save(name, tmp_path):
@@ -217,7 +217,7 @@ def test_file_system_hostile_keys_through_save(name, tmp_path):
     _assert_same(tensorckpt.open(tmp_path / "ckpt").to_state_dict(), state)
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: format/keys.py escape() leaves '\\' as is, but TensorStore's file "
+@pytest.mark.regression(reason="fixed bug: format/keys.py escape() leaves '\\' as is, but TensorStore's file "
                    "kvstore treats a backslash in a kvstore path as a separator: the data of key 'a\\b' lands in "
                    "a/b/ (colliding with key a/b: silent corruption), and names like '\\', 'a\\', '\\.' are "
                    "rejected as invalid file paths")
@@ -243,7 +243,7 @@ def test_lone_surrogate_key_is_unsupported(mem_url):
         tensorckpt.save({"g": {"a\udcffb": torch.ones(1)}}, mem_url())
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: lone surrogates in str values / user metadata: format/metadata.py "
+@pytest.mark.regression(reason="fixed bug: lone surrogates in str values / user metadata: format/metadata.py "
                    "check_value accepts them, dumps() then raises UnicodeEncodeError (surfacing as a bare "
                    "TensorckptError) instead of UnsupportedValueError naming the key")
 @pytest.mark.parametrize("state,key", [({"v": "\udcff"}, "v"), ({"t": torch.ones(1), "m": ["ok", "\ud83d"]}, "m")],

@@ -342,7 +342,7 @@ def test_read_index_equals_slicing(index, dtype, mem_url):
     assert_bit_equal(tensorckpt.open(url).read("w", index), t[index])
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: Checkpoint.read passes indices to TensorStore unnormalized; negative "
+@pytest.mark.regression(reason="fixed bug: Checkpoint.read passes indices to TensorStore unnormalized; negative "
                    "ints/slices are out of range there instead of counting from the end like torch")
 @pytest.mark.parametrize("index", [(-1,), (slice(-3, None),), (slice(None), -2)], ids=repr)
 def test_read_negative_index_equals_slicing(index, mem_url):
@@ -477,7 +477,7 @@ def test_module_state_dict_round_trip(mem_url):
         assert_bit_equal(other.state_dict()[k], v)  # loaded in place into the module's tensors
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: engine/load.py _read_into reads into dtypes.to_numpy(t), which for a "
+@pytest.mark.regression(reason="fixed bug: engine/load.py _read_into reads into dtypes.to_numpy(t), which for a "
                    "conjugate view resolves the conj bit into a copy; the loaded data is silently dropped")
 def test_load_into_conjugate_view(mem_url):
     z = torch.complex(torch.arange(4.0), torch.arange(4.0) * 2)
@@ -496,7 +496,7 @@ def test_save_conjugate_view(mem_url):
     assert torch.equal(tensorckpt.open(url).read("z"), z.conj().resolve_conj())
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: format/dtypes.py to_numpy resolves the conj bit but not the negative "
+@pytest.mark.regression(reason="fixed bug: format/dtypes.py to_numpy resolves the conj bit but not the negative "
                    "bit; saving e.g. z.conj().imag raises RuntimeError from Tensor.numpy()")
 def test_save_negative_bit_view(mem_url):
     z = torch.complex(torch.arange(4.0), torch.arange(4.0) * 2)

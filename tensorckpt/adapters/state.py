@@ -40,7 +40,11 @@ def flatten(state: Mapping, check_values: bool = True) -> dict[str, Leaf]:
 def _walk(node: Mapping, prefix: tuple[str, ...], out: dict[str, Leaf], check: bool) -> None:
     for name, value in node.items():
         path = prefix + (name,)
-        key = flat_key(path)  # validates that name is a str
+        try:
+            key = flat_key(path)  # validates that name is a str
+        except UnsupportedValueError as e:
+            where = "/".join(map(str, prefix)) or "the top level"
+            raise UnsupportedValueError(f"in {where!r}: {e}") from None
         if isinstance(value, Mapping) and value:
             _walk(value, path, out, check)
         elif is_tensor_leaf(value):

@@ -4,6 +4,8 @@ rank fails a step, every rank raises the same error instead of hanging."""
 
 from __future__ import annotations
 
+import builtins
+
 
 import torch.distributed as dist
 
@@ -51,9 +53,7 @@ def capture(fn, *args):
     """Run ``fn``; return (result, None) or (None, error) for shipping to peers."""
     try:
         return fn(*args), None
-    except errors.TensorckptError as e:
-        return None, (type(e).__name__, str(e))
-    except (TypeError, ValueError, NotImplementedError, OSError) as e:
+    except Exception as e:  # shipped to every rank, re-raised there by class name
         return None, (type(e).__name__, str(e))
 
 
@@ -62,10 +62,8 @@ def reraise(err: tuple[str, str] | None, rank: int | None = None) -> None:
     if err is None:
         return
     name, msg = err
-    cls = getattr(errors, name, None)
+    cls = getattr(errors, name, None) or getattr(builtins, name, None)
     if not (isinstance(cls, type) and issubclass(cls, Exception)):
-        cls = {"TypeError": TypeError, "ValueError": ValueError, "NotImplementedError": NotImplementedError}.get(
-            name, errors.TensorckptError
-        )
+        cls, msg = errors.TensorckptError, f"{name}: {msg}"
     prefix = f"(on rank {rank}) " if rank is not None else ""
     raise cls(prefix + msg)

@@ -131,7 +131,7 @@ def _read_into(ckpt: Checkpoint, targets: dict[str, tuple[torch.Tensor, Box]], s
             stats.per_tensor[key] = (need, got)
         if box.numel == 0:
             continue
-        if t.device.type == "cpu" and not t.requires_grad:
+        if t.device.type == "cpu" and not t.requires_grad and not t.is_conj() and not t.is_neg():
             dst = dtypes.to_numpy(t)
         else:
             dst = np.empty(tuple(t.shape), dtype=dtypes.for_torch(t.dtype).numpy)

@@ -19,6 +19,7 @@ save's plan: ranks send only their values, and rank 0 skips planning.
 from __future__ import annotations
 
 import datetime
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 
@@ -42,6 +43,7 @@ OPTIONS = ("metadata", "shard_bytes", "inner_chunk_bytes")
 # saved successfully; rank 0 also keeps everyone's local plans and the plan.
 _LAST_LAYOUT: dict[tuple, tuple] = {}
 _PLAN_CACHE: dict[tuple, tuple[list[LocalPlan], SavePlan]] = {}
+_PENDING: dict[tuple, list[LocalPlan]] = {}  # rank 0: the local plans of the save in flight
 
 
 @dataclass
@@ -85,13 +87,20 @@ def save(
     if g.rank == 0:
         decision = capture(_decide, gathered, loc, overwrite, options, g.size, cache_key)
     (decided, err) = g.broadcast(decision)
+    if err is not None:
+        _forget(cache_key)
     reraise(err)
     plan, c, root_json, hit = decided
     if stats is not None:
         stats.plan_cache_hit = hit
         stats.bytes_written = plan_bytes(plan, g.rank)
 
-    _, err = capture(_write_local, state, plan, c.write_to, g.rank)
+    try:
+        _, err = capture(_write_local, state, plan, c.write_to, g.rank)
+    except BaseException:  # KeyboardInterrupt mid-write: leave nothing behind
+        _forget(cache_key)
+        commit.abort(c)
+        raise
     results = g.gather(err)
     outcome = None
     if g.rank == 0:
@@ -106,10 +115,17 @@ def save(
             outcome = (0, e)
     rank, err = g.broadcast(outcome)
     if err is not None:
-        _LAST_LAYOUT.pop(cache_key, None)
-        _PLAN_CACHE.pop(cache_key, None)
+        _forget(cache_key)
     reraise(err, rank if g.distributed else None)
-    _LAST_LAYOUT[cache_key] = layout
+    _LAST_LAYOUT[cache_key] = layout  # the plan is cached only once a save with it succeeded
+    if g.rank == 0:
+        _PLAN_CACHE[cache_key] = (_PENDING.pop(cache_key), plan)
+
+
+def _forget(cache_key) -> None:
+    _LAST_LAYOUT.pop(cache_key, None)
+    _PLAN_CACHE.pop(cache_key, None)
+    _PENDING.pop(cache_key, None)
 
 
 # ----------------------------------------------------------------- steps
@@ -152,7 +168,7 @@ def _decide(gathered: list, loc: location.Location, overwrite: bool, options: Ma
             options.get("shard_bytes") or grid.DEFAULT_SHARD_BYTES,
             options.get("inner_chunk_bytes") or grid.DEFAULT_INNER_BYTES,
         )
-    _PLAN_CACHE[cache_key] = (plans, plan)
+    _PENDING[cache_key] = [replace(p, values={}) for p in plans]  # cached once the save succeeds
     user = check_value(options.get("metadata") or {}, "metadata")
     if not isinstance(user, dict):
         raise UnsupportedValueError("save(metadata=...) must be a dict")
@@ -170,28 +186,51 @@ def _decide(gathered: list, loc: location.Location, overwrite: bool, options: Ma
 
 
 def _write_local(state: Mapping, plan: SavePlan, loc: location.Location, rank: int) -> None:
-    """Write this rank's boxes and metadata objects, all concurrently, then sync."""
+    """Write this rank's boxes and metadata objects, all concurrently, then
+    sync. Whatever happens, every write issued is finished before returning,
+    so an abort that follows cannot race a write still in flight."""
     leaves = flatten(state, check_values=False)
     objects = {f"{k}/zarr.json": arrays.zarr_json(e) for k, e in plan.entries.items() if plan.meta_writers[k] == rank}
     if rank == 0:
         objects.update({f"{gk}/zarr.json": _GROUP_JSON for gk in _groups(plan)})
-    meta_write = kv.write_many_async(loc, objects)
+    if loc.is_local:
+        os.makedirs(loc.path, exist_ok=True)  # also when this rank writes nothing
     mine = plan.writes_of(rank)
+    meta_write = kv.write_many_async(loc, objects)
     opened = {k: arrays.open_write(loc, k, plan.entries[k]) for k in {k for k, _ in mine}}
     writes = []
-    for key, box in mine:
-        t = _host(local_part(key, leaves[key].value)[0])
-        if box.numel:
-            arr = opened[key].result()
-            writes.append((key, arr[box.slices()].write(dtypes.to_numpy(t)) if box.shape else arr.write(dtypes.to_numpy(t))))
+    try:
+        for key, box in mine:
+            t = _host(local_part(key, leaves[key].value)[0])
+            if box.numel:
+                arr = opened[key].result()
+                writes.append((key, arr[box.slices()].write(dtypes.to_numpy(t)) if box.shape else arr.write(dtypes.to_numpy(t))))
+    finally:
+        failure = _settle(loc, writes, opened, meta_write)
+    if failure is not None:
+        raise failure
+    if loc.is_local:
+        kv.sync_tree(loc.path)
+
+
+def _settle(loc, writes, opened, meta_write) -> Exception | None:
+    """Wait for every issued write; return the first failure."""
+    failure = None
     for key, w in writes:
         try:
             w.result()
         except Exception as e:  # TensorStore raises ValueError with a status string
-            raise TensorckptError(f"{loc}: writing tensor {key!r} failed: {e}") from e
-    meta_write()
-    if loc.is_local:
-        kv.sync_tree(loc.path)
+            failure = failure or TensorckptError(f"{loc}: writing tensor {key!r} failed: {e}")
+    for f in opened.values():
+        try:
+            f.result()
+        except Exception as e:
+            failure = failure or TensorckptError(f"{loc}: opening an array failed: {e}")
+    try:
+        meta_write()
+    except Exception as e:
+        failure = failure or TensorckptError(f"{loc}: writing metadata failed: {e}")
+    return failure
 
 
 def _groups(plan: SavePlan) -> set[str]:

@@ -81,8 +81,8 @@ def torch_dtype(d: DType) -> torch.dtype:
 def to_numpy(t: torch.Tensor) -> np.ndarray:
     """A numpy view sharing memory with a CPU tensor (any strides)."""
     d = for_torch(t.dtype)
-    if t.is_conj():
-        t = t.resolve_conj()
+    if t.is_conj() or t.is_neg():
+        t = t.resolve_conj().resolve_neg()  # a copy: lazy conj/neg views have no plain memory
     if d.view_as is not None:
         return t.view(d.view_as).numpy().view(d.numpy)
     return t.numpy()

@@ -5,12 +5,14 @@ tuple of dict keys from the root. Each key becomes one Zarr node name, escaped
 so that any Python ``str`` round-trips exactly and no name is one Zarr forbids
 or reserves:
 
-1. every ``%`` becomes ``%25``, every ``/`` becomes ``%2F``, and every control
-   character (U+0000-U+001F, U+007F) becomes ``%XX`` (two upper-case hex digits);
+1. every ``%`` becomes ``%25``, every ``/`` becomes ``%2F``, every ``\\`` becomes
+   ``%5C``, and every control character (U+0000-U+001F, U+007F) becomes ``%XX``
+   (two upper-case hex digits);
 2. a name made only of periods (``.``, ``..``) has every period written ``%2E``;
 3. a name starting with ``__`` has its first underscore written ``%5F``;
 4. the name ``zarr.json`` (it would collide with the parent group's metadata
-   file) is written ``zarr%2Ejson``;
+   file) is written ``zarr%2Ejson``; a name ending in ``.__lock`` (reserved by
+   TensorStore's file store) has that period written ``%2E``;
 5. the empty name is written ``%``  (a lone ``%`` cannot come out of rules 1-4,
    where every ``%`` is followed by two hex digits).
 
@@ -29,7 +31,7 @@ from ..errors import CorruptCheckpointError, UnsupportedValueError
 EMPTY = "%"
 MAX_NAME_BYTES = 255  # common file-system limit on one path component
 _ESCAPE_RE = re.compile(r"%([0-9A-Fa-f]{2})")
-_UNSAFE_RE = re.compile(r"[%/\x00-\x1f\x7f]")
+_UNSAFE_RE = re.compile(r"[%/\\\x00-\x1f\x7f]")
 
 
 def escape(name: str) -> str:
@@ -47,6 +49,8 @@ def escape(name: str) -> str:
         out = "%5F" + out[1:]
     elif out == "zarr.json":
         out = "zarr%2Ejson"
+    if out.endswith(".__lock"):
+        out = out[: -len(".__lock")] + "%2E__lock"
     try:
         encoded = out.encode("utf-8")
     except UnicodeEncodeError:

@@ -98,7 +98,10 @@ def check_value(value: object, key: str) -> object:
     Raises :class:`UnsupportedValueError` naming ``key`` for anything that is not
     None, bool, int, finite float, str, or lists/dicts of these.
     """
-    if value is None or isinstance(value, (bool, str)):
+    if isinstance(value, str):
+        _check_text(value, key)
+        return value
+    if value is None or isinstance(value, bool):
         return value
     if isinstance(value, int):
         if not MIN_INT <= value <= MAX_INT:
@@ -118,6 +121,7 @@ def check_value(value: object, key: str) -> object:
         for k, v in value.items():
             if not isinstance(k, str):
                 raise UnsupportedValueError(f"{key!r}: dict key {k!r} is not a str (JSON needs str keys)")
+            _check_text(k, key)
             out[k] = check_value(v, f"{key}.{k}")
         return out
     raise UnsupportedValueError(
@@ -126,6 +130,13 @@ def check_value(value: object, key: str) -> object:
         "Convert it, e.g. to a uint8 tensor (torch.frombuffer(bytearray(data), dtype=torch.uint8)) "
         "or to plain data"
     )
+
+
+def _check_text(s: str, key: str) -> None:
+    try:
+        s.encode("utf-8")
+    except UnicodeEncodeError:
+        raise UnsupportedValueError(f"{key!r}: string {s[:40]!r} is not valid Unicode text (lone surrogate)") from None
 
 
 # ----------------------------------------------------------------- parsing
@@ -175,10 +186,10 @@ def _parse_v1(meta: dict, where: str) -> RootMetadata:
     values = _obj(meta.get("values", {}), f"{where}: values")
     tensors = {}
     for key, entry in tensors_doc.items():
-        split_flat_key(key)
+        _check_key(key, where)
         tensors[key] = parse_tensor_entry(entry, f"{where}: tensors[{key!r}]")
     for key in values:
-        split_flat_key(key)
+        _check_key(key, where)
         if key in tensors:
             raise CorruptCheckpointError(f"{where}: key {key!r} is both a tensor and a value")
     leaves = tensors.keys() | values.keys()
@@ -204,6 +215,13 @@ def _parse_v1(meta: dict, where: str) -> RootMetadata:
         user_metadata=user,
         must_understand=tuple(must),
     )
+
+
+def _check_key(key: str, where: str) -> None:
+    try:
+        split_flat_key(key)
+    except CorruptCheckpointError as e:
+        raise CorruptCheckpointError(f"{where}: {e}") from None
 
 
 def parse_tensor_entry(entry: object, where: str) -> TensorEntry:
