@@ -177,7 +177,7 @@ def test_spec_examples_conform():
 def test_flat_key_pattern_is_the_reference_canonical_form():
     pattern = re.compile(ROOT_SCHEMA["$defs"]["flatKey"]["pattern"])
     rnd = random.Random(1)
-    alphabet = ["%", "2", "5", "F", "E", "f", "e", ".", "_", "/", "a", "ü", "4", "x", "\x01", "%01", "%7F", "zarr.json", "zarr%2Ejson"]
+    alphabet = ["%", "2", "5", "F", "E", "f", "e", ".", "_", "/", "a", "ü", "4", "x", "\x01", "%01", "%7F", "zarr.json", "zarr%2Ejson", "\\", "%5C", ".__lock", "%2E__lock"]
     for _ in range(20000):
         s = "".join(rnd.choice(alphabet) for _ in range(rnd.randint(0, 9)))
         try:
@@ -189,7 +189,7 @@ def test_flat_key_pattern_is_the_reference_canonical_form():
         if "/" not in s:
             assert pattern.search(escape(s)), s
     for name, escaped in [("", "%"), (".", "%2E"), ("..", "%2E%2E"), ("__x", "%5F_x"), ("a/b", "a%2Fb"), ("50%", "50%25"),
-                          ("zarr.json", "zarr%2Ejson"), ("a\tb", "a%09b")]:
+                          ("zarr.json", "zarr%2Ejson"), ("a\tb", "a%09b"), ("a\\b", "a%5Cb"), ("x.__lock", "x%2E__lock")]:
         assert escape(name) == escaped  # the spec's examples table
     assert pattern.search("x" * 255) and not pattern.search("x" * 256)
 
