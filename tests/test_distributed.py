@@ -662,14 +662,11 @@ def test_overwrite(runs, S):
     assert not leftovers, leftovers
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: engine/save.py _write_local ends with kv.sync_tree(loc.path) on every rank, but the staging "
-    "directory only exists once some rank's TensorStore write has created it; a rank with nothing to write "
-    "(one small replicated tensor at world > 1) gets there first -> FileNotFoundError -> the whole save fails",
-)
 @pytest.mark.parametrize("S", [2, 3, 4], ids=lambda s: f"save{s}")
 def test_rank_with_nothing_to_write_can_save(runs, S):
+    """Regression: every rank used to sync the staging directory, which only
+    exists once some rank's write created it; an idle rank got there first
+    (FileNotFoundError) whenever the writer was slower."""
     base, saves, _ = runs
     errors = [f"rank {r}: {case}: {e}" for r, res in enumerate(saves[S]) for case, e in res["idle"].items() if e]
     assert not errors, "\n".join(errors)
@@ -724,7 +721,8 @@ def test_save_options_honored(runs, S):
 
     for key, e in entries("split_small").items():
         itemsize = torch.empty((), dtype=getattr(torch, e.dtype)).element_size()
-        assert math.prod(e.chunk_shape) * itemsize <= 24, (key, e)
+        # at most shard_bytes, except a single writer's chunk, which keeps at least one whole row
+        assert math.prod(e.chunk_shape) * itemsize <= 24 or e.chunk_shape[0] == 1, (key, e)
         assert math.prod(e.inner_chunk_shape) * itemsize <= 8, (key, e)
     big, small = entries("big")["big"], entries("big_small")["big"]
     assert big.chunk_shape == small.chunk_shape == (-(-BIG[0] // S), BIG[1])
