@@ -76,24 +76,28 @@ def finish(c: Commit, root_json: bytes) -> None:
 
 
 def _finish_local(c: Commit, root_json: bytes) -> None:
+    """Every rank has already synced its own writes (engine.save); here only
+    the root zarr.json and the renames need to become durable."""
     staging, target = c.write_to.path, c.target.path
     os.makedirs(staging, exist_ok=True)
     with open(os.path.join(staging, ROOT_KEY), "wb") as f:
         f.write(root_json)
-    kv.sync_tree(staging)
+        f.flush()
+        os.fsync(f.fileno())
+    kv.fsync_dir(staging)
     parent = os.path.dirname(target)
+    old = None
     if not os.path.lexists(target):
         os.rename(staging, target)
     elif kv.exchange(staging, target):
-        kv.fsync_dir(parent)
-        kv.delete_all(c.write_to)  # now holds the old checkpoint
+        old = c.write_to  # now holds the old checkpoint
     else:  # no atomic swap: move the old aside first; it stays whole until deleted
-        aside = f"{staging}-old"
-        os.rename(target, aside)
+        old = Location("file", f"{staging}-old")
+        os.rename(target, old.path)
         os.rename(staging, target)
-        kv.fsync_dir(parent)
-        kv.delete_all(Location("file", aside))
     kv.fsync_dir(parent)
+    if old is not None:
+        kv.delete_all(old)
 
 
 def abort(c: Commit) -> None:
