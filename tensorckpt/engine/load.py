@@ -19,6 +19,7 @@ import numpy as np
 import tensorstore as ts
 import torch
 
+from ..adapters import registry
 from ..adapters.sharded import local_part
 from ..adapters.state import flatten, set_leaf
 from ..checkpoint import Checkpoint, parse_root_bytes, read_root_bytes, wait
@@ -68,7 +69,10 @@ def load(
     reraise(err)
     ckpt = Checkpoint(loc, _root=parse_root_bytes(loc, raw))
     index = ckpt.index
-    targets, err = capture(flatten, state, False)
+    user_state = state  # objects in it (modules, optimizers, ...) are loaded through plain targets
+    prepared, err = capture(registry.for_load, state, index, registry.Context(state, g.rank, g.size))
+    state, finish = prepared if err is None else ({}, None)
+    targets, err = capture(flatten, state, False) if err is None else (None, err)
     stored = set(index.tensors) | set(index.values)
     missing = sorted(set(targets or ()) - stored)
     unexpected = sorted(stored - set(targets or ()))
@@ -112,7 +116,8 @@ def load(
     for key, leaf in targets.items():
         if key in index.values:
             set_leaf(state, leaf.path, index.values[key])
-    return state
+    finish(state)
+    return user_state
 
 
 def _read_into(ckpt: Checkpoint, targets: dict[str, tuple[torch.Tensor, Box]], stats: LoadStats | None) -> None:

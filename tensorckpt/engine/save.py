@@ -26,6 +26,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from .. import __version__
+from ..adapters import registry
 from ..adapters.sharded import local_part
 from ..adapters.state import flatten
 from ..errors import TensorckptError, UnsupportedValueError
@@ -77,6 +78,7 @@ def save(
     _check_options(options)
     g = Group(process_group)
     loc = location.parse(path)
+    state = registry.for_save(state, registry.Context(state, g.rank, g.size))
     cache_key = (id(process_group), g.size, options.get("shard_bytes"), options.get("inner_chunk_bytes"))
     local, err = capture(_local_plan, state, g, loc, options)
     layout = local.items if local is not None else None
