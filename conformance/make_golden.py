@@ -108,11 +108,18 @@ def golden_sharded():
     return state, {"shard_bytes": 64, "inner_chunk_bytes": 32}, {"golden": "sharded"}
 
 
+def golden_save_stats_1_1():
+    """Format 1.1: the root metadata carries ``save_stats`` (spec 9.7)."""
+    state = {"w": torch.arange(6, dtype=torch.float32).reshape(2, 3), "step": 11}
+    return state, {}, {"golden": "save_stats_1_1"}
+
+
 GOLDENS = {
     "basic": golden_basic,
     "dtypes": golden_dtypes,
     "escaped_keys": golden_escaped_keys,
     "sharded": golden_sharded,
+    "save_stats_1_1": golden_save_stats_1_1,
 }
 
 

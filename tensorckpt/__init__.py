@@ -15,6 +15,7 @@ import tensorckpt_zarr_dtypes as _zarr_dtypes
 from .adapters.pipeline import shift_layers, stage_offset
 from .adapters.sharded import ShardedTensor
 from .checkpoint import Checkpoint, CheckpointMetadata, TensorInfo
+from .engine.async_save import SaveHandle, async_save
 from .engine.load import LoadStats, load
 from .engine.save import SaveStats, save
 from .errors import (
@@ -42,7 +43,7 @@ def open(path) -> Checkpoint:  # noqa: A001 - the public name the API promises
 
 
 __all__ = [
-    "save", "load", "open", "ShardedTensor", "LoadStats", "SaveStats", "shift_layers", "stage_offset", "Checkpoint", "CheckpointMetadata", "TensorInfo", "FORMAT_VERSION",
+    "save", "async_save", "SaveHandle", "load", "open", "ShardedTensor", "LoadStats", "SaveStats", "shift_layers", "stage_offset", "Checkpoint", "CheckpointMetadata", "TensorInfo", "FORMAT_VERSION",
     "TensorckptError", "CheckpointNotFoundError", "CheckpointExistsError", "IncompleteCheckpointError",
     "UnsupportedVersionError", "CorruptCheckpointError", "IncompatibleStateError",
     "UnsupportedValueError", "InvalidPathError", "InvalidIndexError",

@@ -30,6 +30,7 @@ class CheckpointMetadata:
     created: str
     world_size: int
     user_metadata: dict
+    save_stats: dict | None = None  # per-rank phase times of the save (spec 9.7); None before format 1.1
 
 
 @dataclass(frozen=True)
@@ -89,7 +90,7 @@ class Checkpoint:
     @property
     def metadata(self) -> CheckpointMetadata:
         m = self._meta
-        return CheckpointMetadata(m.format_version, m.library_version, m.created, m.world_size, m.user_metadata)
+        return CheckpointMetadata(m.format_version, m.library_version, m.created, m.world_size, m.user_metadata, m.save_stats)
 
     @property
     def index(self) -> RootMetadata:

@@ -129,13 +129,13 @@ def _record_writes() -> None:
         return
     inner = save_mod._write_local
 
-    def recording(state, plan, loc, rank):
+    def recording(state, plan, loc, rank, *rest):
         _WRITES.extend((k, b.offset, b.shape) for k, b in plan.writes_of(rank))
         if _WRITER_DELAY[0] and plan.writes_of(rank):
             import time
 
             time.sleep(_WRITER_DELAY[0])
-        return inner(state, plan, loc, rank)
+        return inner(state, plan, loc, rank, *rest)
 
     recording._recording = True
     save_mod._write_local = recording

@@ -105,8 +105,13 @@ def test_every_document_conforms(ckpt):
 def test_writer_writes_every_root_member(ckpt):
     meta = json.loads((ckpt / "zarr.json").read_bytes())["attributes"]["tensorckpt"]
     assert set(meta) == {
-        "format_version", "must_understand", "library_version", "created", "world_size", "user_metadata", "tensors", "values"
+        "format_version", "must_understand", "library_version", "created", "world_size", "user_metadata", "tensors", "values",
+        "save_stats",
     }
+    world = meta["world_size"]
+    assert set(meta["save_stats"]["seconds"]) == {"plan", "stage", "write", "sync"}
+    assert all(len(v) == world and min(v) >= 0 for v in meta["save_stats"]["seconds"].values())
+    assert len(meta["save_stats"]["bytes_written"]) == world
     assert meta["format_version"] == tensorckpt.FORMAT_VERSION
     assert meta["must_understand"] == []
     assert meta["world_size"] == 1

@@ -11,6 +11,7 @@ makes the same strict decision); none for the data.
 
 from __future__ import annotations
 
+import time
 import warnings
 from collections.abc import MutableMapping
 from dataclasses import dataclass, field
@@ -34,12 +35,17 @@ from .group import Group, capture, reraise
 class LoadStats:
     """What one rank's load read: ``bytes_needed`` (its target boxes) and
     ``bytes_read`` (the stored inner chunks those boxes overlap, decoded
-    whole). ``read_amplification`` is their ratio (1.0 is ideal)."""
+    whole). ``read_amplification`` is their ratio (1.0 is ideal).
+    ``seconds`` maps each phase to wall time on this rank: ``plan`` (root
+    metadata, key matching, target boxes), ``read`` (fetch, checksum,
+    decode, straight into the targets) and ``copy`` (into targets the reads
+    could not fill directly: CUDA, autograd or conjugate views)."""
 
     bytes_needed: int = 0
     bytes_read: int = 0
     tensors: int = 0
     per_tensor: dict[str, tuple[int, int]] = field(default_factory=dict)
+    seconds: dict[str, float] = field(default_factory=dict)
 
     @property
     def read_amplification(self) -> float:
@@ -60,6 +66,7 @@ def load(
     warning) and skipped. Pass a :class:`LoadStats` as ``stats`` to learn the
     bytes read versus needed on this rank.
     """
+    t0 = time.perf_counter()
     g = Group(process_group)
     loc = location.parse(path)
     if g.distributed and not loc.is_local:
@@ -112,6 +119,8 @@ def load(
                 f"wants {list(shape)} {dtypes.torch_name(t.dtype)}"
             )
         reads[key] = (t, box)
+    stats = stats if stats is not None else LoadStats()
+    stats.seconds["plan"] = time.perf_counter() - t0
     _read_into(ckpt, reads, stats)
     for key, leaf in targets.items():
         if key in index.values:
@@ -120,20 +129,20 @@ def load(
     return user_state
 
 
-def _read_into(ckpt: Checkpoint, targets: dict[str, tuple[torch.Tensor, Box]], stats: LoadStats | None) -> None:
+def _read_into(ckpt: Checkpoint, targets: dict[str, tuple[torch.Tensor, Box]], stats: LoadStats) -> None:
     """Issue every read at once, each into the target's own memory when it is a
     CPU tensor numpy can view; otherwise into a buffer, then copied."""
+    t0 = time.perf_counter()
     srcs = ckpt.open_arrays(list(targets))
     pending, copies = [], []
     for key, (t, box) in targets.items():
         e = ckpt.index.tensors[key]
-        if stats is not None:
-            itemsize = dtypes.BY_TORCH[e.dtype].itemsize
-            need, got = box.numel * itemsize, bytes_fetched(e.shape, e.inner_chunk_shape, box, itemsize)
-            stats.bytes_needed += need
-            stats.bytes_read += got
-            stats.tensors += 1
-            stats.per_tensor[key] = (need, got)
+        itemsize = dtypes.BY_TORCH[e.dtype].itemsize
+        need, got = box.numel * itemsize, bytes_fetched(e.shape, e.inner_chunk_shape, box, itemsize)
+        stats.bytes_needed += need
+        stats.bytes_read += got
+        stats.tensors += 1
+        stats.per_tensor[key] = (need, got)
         if box.numel == 0:
             continue
         if t.device.type == "cpu" and not t.requires_grad and not t.is_conj() and not t.is_neg():
@@ -145,9 +154,12 @@ def _read_into(ckpt: Checkpoint, targets: dict[str, tuple[torch.Tensor, Box]], s
         pending.append((key, ts.array(dst, copy=False, write=True).write(src)))
     for key, fut in pending:
         wait(ckpt.path, key, fut)
+    t1 = time.perf_counter()
+    stats.seconds["read"] = t1 - t0
     with torch.no_grad():
         for t, buf in copies:
             t.copy_(dtypes.from_numpy(buf, dtypes.for_torch(t.dtype)))
+    stats.seconds["copy"] = time.perf_counter() - t1
 
 
 def _list(keys: list[str], limit: int = 20) -> str:

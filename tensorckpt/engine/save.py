@@ -20,8 +20,9 @@ from __future__ import annotations
 
 import datetime
 import os
+import time
 from collections.abc import Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -47,13 +48,37 @@ _PLAN_CACHE: dict[tuple, tuple[list[LocalPlan], SavePlan]] = {}
 _PENDING: dict[tuple, list[LocalPlan]] = {}  # rank 0: the local plans of the save in flight
 
 
+PHASES = ("plan", "stage", "write", "sync", "commit")
+
+
 @dataclass
 class SaveStats:
-    """What one rank's save did: whether the cached plan was reused, and the
-    bytes of tensor data this rank wrote."""
+    """What one rank's save did and how long each phase took.
+
+    ``seconds`` maps each phase to wall time on this rank: ``plan`` (local
+    plan, gather, global plan, broadcast), ``stage`` (copying tensors to host
+    memory: device-to-host, or into the reused buffers of an async save),
+    ``write`` (encode, checksum and write; TensorStore does the three in one
+    pipeline), ``sync`` (making this rank's writes durable) and ``commit``
+    (waiting for every rank, then the commit). ``bytes_written`` and
+    ``bytes_staged`` count tensor data. For an async save, ``stall_seconds``
+    is the time the caller was blocked and ``durable_seconds`` the time from
+    the call to the commit; ``staging_bytes_allocated`` is the host memory the
+    staging pool had to allocate (0 once buffers are reused).
+    """
 
     plan_cache_hit: bool = False
     bytes_written: int = 0
+    bytes_staged: int = 0
+    seconds: dict[str, float] = field(default_factory=dict)
+    stall_seconds: float | None = None
+    durable_seconds: float | None = None
+    staging_bytes_allocated: int = 0
+
+    def _phase(self, name: str, start: float) -> float:
+        now = time.perf_counter()
+        self.seconds[name] = self.seconds.get(name, 0.0) + now - start
+        return now
 
 
 def save(
@@ -65,6 +90,8 @@ def save(
     the default group when torch.distributed is initialized); each rank passes
     its own local view: DTensors, :class:`~tensorckpt.ShardedTensor` boxes, or
     plain tensors (the same full value on every rank that passes one).
+    Framework objects (modules, optimizers, schedulers, anything with
+    ``state_dict()``) are saved through their adapters.
 
     The checkpoint is valid only once fully written (the spec's commit
     protocol); an existing checkpoint at ``path`` needs ``overwrite=True`` and
@@ -75,12 +102,21 @@ def save(
     ``inner_chunk_bytes`` (unit of partial reads, default 2 MiB). Pass a
     :class:`SaveStats` as ``stats`` to learn what this rank did.
     """
-    _check_options(options)
+    check_options(options)
     g = Group(process_group)
     loc = location.parse(path)
     state = registry.for_save(state, registry.Context(state, g.rank, g.size))
-    cache_key = (id(process_group), g.size, options.get("shard_bytes"), options.get("inner_chunk_bytes"))
-    local, err = capture(_local_plan, state, g, loc, options)
+    run(state, loc, g, overwrite, options, stats if stats is not None else SaveStats())
+
+
+def run(state: Mapping, loc: location.Location, g: Group, overwrite: bool, options: Mapping, stats: SaveStats,
+        failed: tuple[str, str] | None = None) -> None:
+    """The save protocol (module docstring) over ``g``. ``failed``: this rank
+    already failed (an async save's staging); it still takes part, so every
+    rank raises the error instead of waiting for it."""
+    t0 = time.perf_counter()
+    cache_key = (id(g.pg), g.size, options.get("shard_bytes"), options.get("inner_chunk_bytes"))
+    local, err = capture(_local_plan, state, g, loc, options) if failed is None else (None, failed)
     layout = local.items if local is not None else None
     same = layout is not None and _LAST_LAYOUT.get(cache_key) == layout
     sent = replace(local, items=()) if same else local  # a cache hit sends only its values
@@ -92,36 +128,47 @@ def save(
     if err is not None:
         _forget(cache_key)
     reraise(err)
-    plan, c, root_json, hit = decided
-    if stats is not None:
-        stats.plan_cache_hit = hit
-        stats.bytes_written = plan_bytes(plan, g.rank)
+    plan, c, meta, hit = decided
+    stats.plan_cache_hit = hit
+    stats.bytes_written = plan_bytes(plan, g.rank)
+    t = stats._phase("plan", t0)
 
     try:
-        _, err = capture(_write_local, state, plan, c.write_to, g.rank)
+        _, err = capture(_write_local, state, plan, c.write_to, g.rank, stats)
     except BaseException:  # KeyboardInterrupt mid-write: leave nothing behind
         _forget(cache_key)
         commit.abort(c)
         raise
-    results = g.gather(err)
+    t = time.perf_counter()
+    results = g.gather((err, {p: round(stats.seconds.get(p, 0.0), 6) for p in PHASES[:4]}, stats.bytes_written))
     outcome = None
     if g.rank == 0:
-        failed = next(((r, e) for r, e in enumerate(results) if e is not None), None)
-        if failed is not None:
+        failed_rank = next(((r, e) for r, (e, _, _) in enumerate(results) if e is not None), None)
+        if failed_rank is not None:
             commit.abort(c)
-            outcome = (failed[0], failed[1])
+            outcome = failed_rank
         else:
-            _, e = capture(commit.finish, c, root_json)
+            meta = replace(meta, save_stats=_stats_doc(results))
+            _, e = capture(commit.finish, c, root_group_json(meta))
             if e is not None:
                 commit.abort(c)
             outcome = (0, e)
     rank, err = g.broadcast(outcome)
+    stats._phase("commit", t)
     if err is not None:
         _forget(cache_key)
     reraise(err, rank if g.distributed else None)
     _LAST_LAYOUT[cache_key] = layout  # the plan is cached only once a save with it succeeded
     if g.rank == 0:
         _PLAN_CACHE[cache_key] = (_PENDING.pop(cache_key), plan)
+
+
+def _stats_doc(results: list) -> dict:
+    """Every rank's phase times and bytes, as stored in the root metadata."""
+    return {
+        "seconds": {p: [r[1][p] for r in results] for p in PHASES[:4]},
+        "bytes_written": [r[2] for r in results],
+    }
 
 
 def _forget(cache_key) -> None:
@@ -140,7 +187,7 @@ def _local_plan(state: Mapping, g: Group, loc: location.Location, options: Mappi
     for key, leaf in flatten(state).items():
         if leaf.is_tensor:
             t, shape, box = local_part(key, leaf.value)
-            _check_tensor(key, t)
+            check_tensor(key, t)
             items.append(LocalItem(key, dtypes.for_torch(t.dtype, key).torch_name, shape, box))
         else:
             values[key] = leaf.value
@@ -182,12 +229,11 @@ def _decide(gathered: list, loc: location.Location, overwrite: bool, options: Ma
         world_size=world,
         user_metadata=user,
     )
-    root_json = root_group_json(meta)
     c = commit.begin(loc, overwrite, commit.new_token())
-    return plan, c, root_json, hit
+    return plan, c, meta, hit
 
 
-def _write_local(state: Mapping, plan: SavePlan, loc: location.Location, rank: int) -> None:
+def _write_local(state: Mapping, plan: SavePlan, loc: location.Location, rank: int, stats: SaveStats) -> None:
     """Write this rank's boxes and metadata objects, all concurrently, then
     sync. Whatever happens, every write issued is finished before returning,
     so an abort that follows cannot race a write still in flight."""
@@ -201,18 +247,25 @@ def _write_local(state: Mapping, plan: SavePlan, loc: location.Location, rank: i
     meta_write = kv.write_many_async(loc, objects)
     opened = {k: arrays.open_write(loc, k, plan.entries[k]) for k in {k for k, _ in mine}}
     writes = []
+    start, staging = time.perf_counter(), 0.0
     try:
         for key, box in mine:
+            t0 = time.perf_counter()
             t = _host(local_part(key, leaves[key].value)[0])
+            staging += time.perf_counter() - t0
             if box.numel:
                 arr = opened[key].result()
                 writes.append((key, arr[box.slices()].write(dtypes.to_numpy(t)) if box.shape else arr.write(dtypes.to_numpy(t))))
     finally:
         failure = _settle(loc, writes, opened, meta_write)
+    stats.seconds["stage"] = stats.seconds.get("stage", 0.0) + staging
+    stats.seconds["write"] = time.perf_counter() - start - staging
     if failure is not None:
         raise failure
+    t = time.perf_counter()
     if loc.is_local:
         kv.sync_tree(loc.path)
+    stats._phase("sync", t)
 
 
 def _settle(loc, writes, opened, meta_write) -> Exception | None:
@@ -245,12 +298,12 @@ def _host(t: torch.Tensor) -> torch.Tensor:
     return t.cpu() if t.device.type != "cpu" else t
 
 
-def _check_tensor(key: str, t: torch.Tensor) -> None:
+def check_tensor(key: str, t: torch.Tensor) -> None:
     if t.layout != torch.strided or t.is_meta:
         raise UnsupportedValueError(f"{key!r}: only dense tensors with data can be saved (got {t.layout}, {t.device})")
 
 
-def _check_options(options: Mapping) -> None:
+def check_options(options: Mapping) -> None:
     unknown = sorted(set(options) - set(OPTIONS))
     if unknown:
         raise TypeError(f"save() got unknown options {unknown}; known: {list(OPTIONS)}")

@@ -19,7 +19,7 @@ from . import dtypes as _dtypes
 from .keys import split_flat_key
 
 FORMAT_MAJOR = 1
-FORMAT_MINOR = 0
+FORMAT_MINOR = 1
 FORMAT_VERSION = f"{FORMAT_MAJOR}.{FORMAT_MINOR}"
 ATTRIBUTE = "tensorckpt"  # member of the root group's attributes
 KNOWN_EXTENSIONS: frozenset[str] = frozenset()  # extensions this reader implements
@@ -65,9 +65,10 @@ class RootMetadata:
     world_size: int = 1
     user_metadata: dict = field(default_factory=dict)
     must_understand: tuple[str, ...] = ()
+    save_stats: dict | None = None  # per-rank phase times and bytes (spec 9.7), informational
 
     def to_json(self) -> dict:
-        return {
+        doc = {
             "format_version": self.format_version,
             "must_understand": list(self.must_understand),
             "library_version": self.library_version,
@@ -77,6 +78,9 @@ class RootMetadata:
             "tensors": {k: e.to_json() for k, e in sorted(self.tensors.items())},
             "values": dict(sorted(self.values.items())),
         }
+        if self.save_stats is not None:
+            doc["save_stats"] = self.save_stats
+        return doc
 
 
 def root_group_json(meta: RootMetadata) -> bytes:
@@ -214,7 +218,30 @@ def _parse_v1(meta: dict, where: str) -> RootMetadata:
         world_size=world,
         user_metadata=user,
         must_understand=tuple(must),
+        save_stats=_save_stats(meta.get("save_stats"), world, where),
     )
+
+
+def _save_stats(doc: object, world: int, where: str) -> dict | None:
+    """Validate the optional ``save_stats`` member (9.7): per-phase lists of
+    ``world_size`` finite non-negative seconds, and bytes written per rank.
+    Unknown phases and members are kept and ignored."""
+    if doc is None:
+        return None
+    what = f"{where}: save_stats"
+    doc = _obj(doc, what)
+    seconds = _obj(doc.get("seconds", {}), f"{what}.seconds")
+    for phase, times in seconds.items():
+        if not (isinstance(times, list) and len(times) == world and all(
+            isinstance(x, (int, float)) and not isinstance(x, bool) and 0 <= x < 1e9 for x in times
+        )):
+            raise CorruptCheckpointError(f"{what}.seconds[{phase!r}] must list {world} non-negative numbers, one per rank")
+    written = doc.get("bytes_written", [0] * world)
+    if not (isinstance(written, list) and len(written) == world and all(
+        isinstance(x, int) and not isinstance(x, bool) and 0 <= x <= MAX_INT for x in written
+    )):
+        raise CorruptCheckpointError(f"{what}.bytes_written must list {world} non-negative integers, one per rank")
+    return doc
 
 
 def _check_key(key: str, where: str) -> None:

@@ -1,0 +1,224 @@
+"""async_save in one process: what is saved is the state at the call, the
+handle's contract, backpressure, failures, buffer reuse, interpreter exit,
+and the per-phase statistics kept with the checkpoint."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import threading
+
+import pytest
+import torch
+
+import tensorckpt
+from tensorckpt.cli import main as cli_main
+
+
+def _state(n: int = 64):
+    torch.manual_seed(0)
+    return {
+        "model": {"w": torch.randn(n, n), "b": torch.randn(n).to(torch.bfloat16), "ids": torch.arange(7)},
+        "step": 3,
+        "cfg": {"lr": 0.1, "betas": [0.9, 0.99]},
+    }
+
+
+def _clone(state):
+    return {k: _clone(v) if isinstance(v, dict) else (v.clone() if isinstance(v, torch.Tensor) else json.loads(json.dumps(v))) for k, v in state.items()}
+
+
+def _assert_saved(path, expected):
+    got = tensorckpt.open(path).to_state_dict()
+    assert got.keys() == expected.keys()
+    for k, v in expected.items():
+        if isinstance(v, dict):
+            _assert_saved_tree(got[k], v)
+        elif isinstance(v, torch.Tensor):
+            assert torch.equal(got[k], v), k
+        else:
+            assert got[k] == v, k
+
+
+def _assert_saved_tree(got, expected):
+    for k, v in expected.items():
+        if isinstance(v, dict):
+            _assert_saved_tree(got[k], v)
+        elif isinstance(v, torch.Tensor):
+            assert got[k].dtype == v.dtype and torch.equal(got[k], v), k
+        else:
+            assert got[k] == v, k
+
+
+def test_saves_the_state_as_it_was_at_the_call(tmp_path):
+    state = _state()
+    before = _clone(state)
+    h = tensorckpt.async_save(state, tmp_path / "c")
+    # the training loop goes on at once: tensors and data change in place
+    state["model"]["w"].add_(1.0)
+    state["model"]["b"].zero_()
+    state["cfg"]["betas"].append(0.5)
+    state["step"] = 4
+    h.wait()
+    assert h.done() and h.exception() is None
+    _assert_saved(tmp_path / "c", before)
+
+
+def test_handle_reports_durability_stats_and_callbacks(tmp_path):
+    durable, done = [], []
+    h = tensorckpt.async_save(_state(), tmp_path / "c", on_durable=durable.append)
+    h.add_done_callback(done.append)
+    h.wait(timeout=60)
+    assert durable == [h] and done == [h]
+    late = []
+    h.add_done_callback(late.append)  # after the end: called at once
+    assert late == [h]
+    s = h.stats
+    assert 0 < s.stall_seconds <= s.durable_seconds
+    assert set(s.seconds) == {"plan", "stage", "write", "sync", "commit"}
+    assert s.bytes_staged == s.bytes_written == 64 * 64 * 4 + 64 * 2 + 7 * 8
+    assert "committed" in repr(h)
+
+
+def test_wait_times_out_while_in_flight_and_on_busy_raise(tmp_path):
+    release = threading.Event()
+    h = tensorckpt.async_save(_state(), tmp_path / "a", on_durable=lambda _: release.wait(30))
+    with pytest.raises(TimeoutError, match="still running"):
+        h.wait(timeout=0.05)
+    assert not h.done()
+    with pytest.raises(tensorckpt.TensorckptError, match="still in flight"):
+        tensorckpt.async_save(_state(), tmp_path / "b", on_busy="raise")
+    assert not (tmp_path / "b").exists()
+    release.set()
+    h.wait()
+
+
+def test_second_save_waits_for_the_first(tmp_path):
+    release = threading.Event()
+    first = tensorckpt.async_save(_state(), tmp_path / "a", on_durable=lambda _: release.wait(30))
+    threading.Timer(0.2, release.set).start()
+    second = tensorckpt.async_save(_state(), tmp_path / "b")  # blocks until the first is done
+    assert first.done()
+    second.wait()
+    assert tensorckpt.open(tmp_path / "a").keys() == tensorckpt.open(tmp_path / "b").keys()
+
+
+def test_background_failure_surfaces_on_handle_and_next_call(tmp_path):
+    tensorckpt.save({"x": torch.ones(2)}, tmp_path / "c")
+    h = tensorckpt.async_save(_state(), tmp_path / "c")  # exists, no overwrite: fails in the background
+    while not h.done():
+        h._done.wait(0.01)  # wait without looking at the outcome
+    with pytest.raises(tensorckpt.TensorckptError, match="previous async save .* failed") as info:
+        tensorckpt.async_save(_state(), tmp_path / "d")
+    assert isinstance(info.value.__cause__, tensorckpt.CheckpointExistsError)
+    assert isinstance(h.exception(), tensorckpt.CheckpointExistsError)
+    with pytest.raises(tensorckpt.CheckpointExistsError):
+        h.wait()
+    assert torch.equal(tensorckpt.open(tmp_path / "c").read("x"), torch.ones(2))  # previous one intact
+    tensorckpt.async_save(_state(), tmp_path / "d").wait()  # reported once; the next save works
+
+
+def test_observed_failure_is_not_raised_again(tmp_path):
+    tensorckpt.save({"x": torch.ones(2)}, tmp_path / "c")
+    h = tensorckpt.async_save(_state(), tmp_path / "c")
+    with pytest.raises(tensorckpt.CheckpointExistsError):
+        h.wait()
+    tensorckpt.async_save(_state(), tmp_path / "d").wait()
+
+
+def test_invalid_state_raises_at_the_call(tmp_path):
+    with pytest.raises(tensorckpt.UnsupportedValueError, match="'bad'"):
+        tensorckpt.async_save({"bad": object()}, tmp_path / "c")
+    with pytest.raises(TypeError, match="unknown options"):
+        tensorckpt.async_save({}, tmp_path / "c", bogus=1)
+    with pytest.raises(ValueError, match="on_busy"):
+        tensorckpt.async_save({}, tmp_path / "c", on_busy="never")
+    assert not (tmp_path / "c").exists()
+
+
+def test_staging_buffers_are_reused_across_20_saves(tmp_path):
+    state = {"w": torch.randn(512, 512), "v": torch.randn(1000)}
+    allocated = []
+    for i in range(20):
+        state["w"].add_(1)
+        h = tensorckpt.async_save(state, tmp_path / f"c{i}")
+        h.wait()
+        allocated.append(h.stats.staging_bytes_allocated)
+        if i in (0, 9, 19):
+            assert torch.equal(tensorckpt.open(tmp_path / f"c{i}").read("w"), state["w"])
+    assert allocated[0] == (512 * 512 + 1000) * 4
+    assert allocated[1:] == [0] * 19
+    # a changed shape reallocates that buffer only; a dropped key frees its buffer
+    state["v"] = torch.randn(10)
+    h = tensorckpt.async_save(state, tmp_path / "d")
+    h.wait()
+    assert h.stats.staging_bytes_allocated == 40
+
+
+def test_exit_finishes_a_save_in_flight(tmp_path):
+    script = textwrap.dedent(f"""
+        import torch, tensorckpt
+        tensorckpt.async_save({{"w": torch.arange(100000.0)}}, {str(tmp_path / "c")!r})
+        # no wait(): the interpreter exits at once
+    """)
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert torch.equal(tensorckpt.open(tmp_path / "c").read("w"), torch.arange(100000.0))
+
+
+def test_exit_reports_a_failure_nobody_saw(tmp_path):
+    tensorckpt.save({"x": torch.ones(2)}, tmp_path / "c")
+    script = textwrap.dedent(f"""
+        import torch, tensorckpt
+        tensorckpt.async_save({{"w": torch.ones(3)}}, {str(tmp_path / "c")!r})
+    """)
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert "async save to" in r.stderr and "failed" in r.stderr and "exists" in r.stderr
+
+
+def test_save_stats_are_kept_with_the_checkpoint(tmp_path):
+    stats = tensorckpt.SaveStats()
+    tensorckpt.save(_state(), tmp_path / "c", stats=stats)
+    doc = json.loads((tmp_path / "c" / "zarr.json").read_bytes())["attributes"]["tensorckpt"]["save_stats"]
+    assert doc["bytes_written"] == [stats.bytes_written]
+    for phase in ("plan", "stage", "write", "sync"):
+        assert doc["seconds"][phase] == [pytest.approx(stats.seconds[phase], abs=1e-5)]
+    meta = tensorckpt.open(tmp_path / "c").metadata
+    assert meta.save_stats["bytes_written"] == [stats.bytes_written]
+
+
+def test_load_stats_phases(tmp_path):
+    tensorckpt.save(_state(), tmp_path / "c")
+    stats = tensorckpt.LoadStats()
+    target = _state()
+    target["model"]["w"] = torch.zeros(64, 64, requires_grad=True)  # cannot be read into directly: copied
+    tensorckpt.load(target, tmp_path / "c", stats=stats)
+    assert set(stats.seconds) == {"plan", "read", "copy"} and min(stats.seconds.values()) >= 0
+    assert stats.bytes_needed == 64 * 64 * 4 + 64 * 2 + 7 * 8
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [[], {"seconds": {"write": [1.0, 2.0]}}, {"seconds": {"write": [-1]}}, {"bytes_written": ["x"]}, {"seconds": []}],
+)
+def test_malformed_save_stats_is_corrupt(tmp_path, bad):
+    tensorckpt.save({"w": torch.ones(2)}, tmp_path / "c")
+    p = tmp_path / "c" / "zarr.json"
+    doc = json.loads(p.read_bytes())
+    doc["attributes"]["tensorckpt"]["save_stats"] = bad
+    p.write_text(json.dumps(doc))
+    with pytest.raises(tensorckpt.CorruptCheckpointError, match="save_stats"):
+        tensorckpt.open(tmp_path / "c")
+
+
+def test_unknown_phases_are_ignored(tmp_path):
+    tensorckpt.save({"w": torch.ones(2)}, tmp_path / "c")
+    p = tmp_path / "c" / "zarr.json"
+    doc = json.loads(p.read_bytes())
+    doc["attributes"]["tensorckpt"]["save_stats"]["seconds"]["future_phase"] = [0.5]
+    doc["attributes"]["tensorckpt"]["save_stats"]["future_member"] = {"x": 1}
+    p.write_text(json.dumps(doc))
+    assert torch.equal(tensorckpt.open(tmp_path / "c").read("w"), torch.ones(2))
