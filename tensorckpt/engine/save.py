@@ -99,7 +99,7 @@ def save(
 
     Options: ``metadata`` (JSON-able dict kept in the checkpoint's metadata),
     ``shard_bytes`` (largest stored object, default 64 MiB),
-    ``inner_chunk_bytes`` (unit of partial reads, default 2 MiB). Pass a
+    ``inner_chunk_bytes`` (unit of partial reads, default 256 KiB). Pass a
     :class:`SaveStats` as ``stats`` to learn what this rank did.
     """
     check_options(options)

@@ -2,7 +2,7 @@
 
 A stored tensor has a regular chunk grid whose chunk (a Zarr v3 *shard*, one
 stored object) is the box one writer owns; inside it, the ``sharding_indexed``
-codec splits it into *inner chunks* of about 1-4 MiB, the unit of partial
+codec splits it into *inner chunks* of about 256 KiB, the unit of partial
 reads, so a reader that needs a slice fetches only the inner chunks it
 overlaps.
 """
@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 
 DEFAULT_SHARD_BYTES = 64 << 20
-DEFAULT_INNER_BYTES = 2 << 20
+DEFAULT_INNER_BYTES = 256 << 10  # near-square [256, 256] fp32: cheap partial reads both ways
 
 
 def single_writer_chunks(shape: tuple[int, ...], itemsize: int, shard_bytes: int = DEFAULT_SHARD_BYTES) -> tuple[int, ...]:
@@ -43,7 +43,7 @@ def inner_chunks(shard: tuple[int, ...], itemsize: int, target_bytes: int = DEFA
         splittable = [i for i in range(len(inner)) if 1 < _smallest_prime_factor(inner[i]) <= 16]
         if not splittable:
             break
-        d = max(splittable, key=lambda i: inner[i])
+        d = max(splittable, key=lambda i: (inner[i], i))  # ties: the later dimension
         inner[d] //= _smallest_prime_factor(inner[d])
     return tuple(inner)
 
