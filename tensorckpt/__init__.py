@@ -13,8 +13,11 @@ __version__ = "0.1.0"
 import tensorckpt_zarr_dtypes as _zarr_dtypes
 
 from .adapters.pipeline import shift_layers, stage_offset
+from .adapters.registry import register as register_adapter
+from .adapters.rng import rng_state
 from .adapters.sharded import ShardedTensor
 from .checkpoint import Checkpoint, CheckpointMetadata, TensorInfo
+from .data import ResumableSampler
 from .engine.async_save import SaveHandle, async_save
 from .engine.load import LoadStats, load
 from .engine.save import SaveStats, save
@@ -31,6 +34,8 @@ from .errors import (
     UnsupportedVersionError,
 )
 from .format.metadata import FORMAT_VERSION
+from .verify import VerifyReport, verify
+from .clean import CleanReport, clean
 from . import cli  # noqa: E402  (tensorckpt.cli.inspect is public)
 
 
@@ -47,4 +52,7 @@ __all__ = [
     "TensorckptError", "CheckpointNotFoundError", "CheckpointExistsError", "IncompleteCheckpointError",
     "UnsupportedVersionError", "CorruptCheckpointError", "IncompatibleStateError",
     "UnsupportedValueError", "InvalidPathError", "InvalidIndexError",
+    "rng_state", "ResumableSampler",
+    "verify", "VerifyReport", "clean", "CleanReport",
+    "register_adapter",
 ]

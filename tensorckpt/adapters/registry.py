@@ -194,3 +194,4 @@ def _load_builtins() -> None:
         return
     _BUILTINS_LOADED = True
     from . import torch_objects  # noqa: F401  (Module, Optimizer, LRScheduler)
+    from . import rng  # noqa: F401  (rng_state())
