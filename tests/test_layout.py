@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import itertools
 import math
+import pickle
 from collections import Counter
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -20,9 +22,11 @@ from hypothesis import strategies as st
 
 from tensorckpt.errors import IncompatibleStateError
 from tensorckpt.format import dtypes
-from tensorckpt.layout import grid
+from tensorckpt.format.metadata import RootMetadata, TensorEntry, root_group_json
+from tensorckpt.layout import grid, tiling
 from tensorckpt.layout.boxes import (
     Box,
+    box_arrays,
     bytes_fetched,
     check_partition,
     chunk_box,
@@ -30,7 +34,7 @@ from tensorckpt.layout.boxes import (
     chunks_in,
     read_plan,
 )
-from tensorckpt.layout.plan import LocalItem, LocalPlan, build_save_plan, plan_bytes
+from tensorckpt.layout.plan import LocalItem, LocalItems, LocalPlan, build_save_plan, merge_values, plan_bytes
 
 SETTINGS = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
@@ -508,3 +512,289 @@ def test_bad_partition_names_the_key():
     b = LocalItem("w", "float32", (8,), Box((4,), (4,)))
     with pytest.raises(IncompatibleStateError, match="'w'.*overlap"):
         build_save_plan([LocalPlan(0, (a,)), LocalPlan(1, (b,))])
+
+
+# ------------------------------------- the vectorized planner vs a reference
+#
+# The reference is the straightforward planner this package used to ship: one
+# Python object per box, replicas grouped in a dict, writers chosen one box at
+# a time. The vectorized planner must agree with it exactly: same entries,
+# writes, zarr.json writers and values, or the same error.
+
+
+def reference_check_partition(key, shape, boxes):
+    for b in boxes:
+        if len(b.offset) != len(shape) or any(o < 0 or e > n for o, e, n in zip(b.offset, b.end, shape)):
+            raise IncompatibleStateError(f"{key!r}: shard {b.to_json()} lies outside the global shape {list(shape)}")
+    total = math.prod(shape)
+    if total == 0:
+        return
+    held = sorted(b for b in boxes if b.numel)
+    covered = sum(b.numel for b in held)
+    disjoint = all(a.intersect(b) is None for a, b in itertools.combinations(held, 2))
+    if covered == total and disjoint:
+        return
+    what = "overlap" if covered > total or not disjoint else "leave elements uncovered"
+    raise IncompatibleStateError(
+        f"{key!r}: the ranks' shards of global shape {list(shape)} {what}: "
+        f"{[b.to_json() for b in held[:8]]}{' ...' if len(held) > 8 else ''}; each element must be "
+        "held by exactly one distinct shard (replicas must hold identical boxes)"
+    )
+
+
+def reference_build_save_plan(plans, shard_bytes, inner_bytes):
+    by_key = {}
+    for p in plans:
+        for it in p.items:
+            by_key.setdefault(it.key, []).append((p.rank, it))
+    values = merge_values(plans)
+    clash = sorted(set(values) & set(by_key))
+    if clash:
+        raise IncompatibleStateError(f"keys {clash[:10]} are tensors on some ranks and plain values on others")
+    entries, writes, meta, load = {}, {}, {}, {p.rank: 0 for p in plans}
+    for key in sorted(by_key):
+        holders = by_key[key]
+        first = holders[0][1]
+        for rank, it in holders:
+            if (it.dtype, it.shape) != (first.dtype, first.shape):
+                raise IncompatibleStateError(
+                    f"{key!r}: ranks disagree on the logical tensor: rank {holders[0][0]} has "
+                    f"{list(first.shape)} {first.dtype}, rank {rank} has {list(it.shape)} {it.dtype}"
+                )
+        itemsize = dtypes.BY_TORCH[first.dtype].itemsize
+        replicas = {}
+        for rank, it in holders:
+            if it.box.numel or not first.shape:
+                replicas.setdefault(it.box, []).append(rank)
+        boxes = sorted(replicas)
+        reference_check_partition(key, first.shape, boxes)
+        if boxes == [Box.full(first.shape)] or not boxes:
+            chunk = grid.single_writer_chunks(first.shape, itemsize, shard_bytes)
+        else:
+            chunk = grid.cap_chunks(chunk_grid(first.shape, boxes), itemsize, shard_bytes)
+        entries[key] = TensorEntry(first.dtype, first.shape, chunk, grid.inner_chunks(chunk, itemsize, inner_bytes))
+        for box in boxes:
+            writer = min(replicas[box], key=lambda r: (load[r], r))
+            load[writer] += box.numel * itemsize
+            writes.setdefault(writer, []).append((key, box))
+            meta.setdefault(key, writer)
+        meta.setdefault(key, holders[0][0])
+    return entries, {r: tuple(w) for r, w in writes.items()}, meta, values
+
+
+def outcome(f, *args):
+    try:
+        return "ok", f(*args)
+    except IncompatibleStateError as e:
+        return "error", str(e)
+
+
+@st.composite
+def any_boxes(draw):
+    """Valid, broken and arbitrary box lists (with repeats), in any order."""
+    kind = draw(st.sampled_from(["partition", "broken", "arbitrary"]))
+    if kind == "partition":
+        shape, boxes, _ = draw(partitions())
+    elif kind == "broken":
+        shape, boxes, _ = draw(broken_partitions())
+    else:
+        shape = draw(shapes)
+        boxes = draw(st.lists(box_in(shape), max_size=6))
+    return shape, draw(st.permutations(boxes + draw(st.lists(st.sampled_from(boxes), max_size=2)) if boxes else []))
+
+
+@SETTINGS
+@given(any_boxes())
+def test_check_partition_matches_reference(case):
+    shape, boxes = case
+    assert outcome(check_partition, "k", shape, boxes) == outcome(reference_check_partition, "k", shape, boxes)
+
+
+@SETTINGS
+@given(any_boxes())
+def test_check_partition_sweep_matches_cell_count(case):
+    """The sweep used past MAX_CELLS decides overlaps like cell counting."""
+    shape, boxes = case
+    held = [b for b in boxes if b.numel and in_bounds(shape, b)]
+    if len(shape) < 2 or not held:
+        return
+    starts, sizes = box_arrays(held, len(shape))
+    coords = [np.unique(np.concatenate([starts[:, d], starts[:, d] + sizes[:, d]])) for d in range(len(shape))]
+    by_cells = tiling._coverage(coords, tuple(map(len, coords)), starts, starts + sizes).max() > 1
+    assert tiling._overlaps_sweep(starts, starts + sizes) == by_cells
+    assert by_cells == bool(np.any(coverage(shape, held) > 1))
+
+
+@SETTINGS
+@given(st.lists(st.tuples(st.integers(0, 3), st.integers(0, 3), st.integers(0, 3)), max_size=12))
+def test_unique_rows(rows):
+    rows = np.array(rows, np.int64).reshape(len(rows), 3)
+    uniq, inverse = tiling.unique_rows(rows)
+    expected = np.unique(rows, axis=0) if len(rows) else rows
+    np.testing.assert_array_equal(uniq, expected)
+    np.testing.assert_array_equal(uniq[inverse], rows)
+
+
+@st.composite
+def messy_local_plans(draw):
+    """local_plans(), in any order, sometimes broken: a rank disagreeing on a
+    tensor's dtype or shape, or holding a box that breaks the partition."""
+    plans, _, shard_bytes = draw(local_plans())
+    plans = list(draw(st.permutations(plans)))
+    holding = [i for i, p in enumerate(plans) if len(p.items)]
+    if holding and draw(st.booleans()):
+        i = draw(st.sampled_from(holding))
+        items = list(plans[i].items)
+        j = draw(st.integers(0, len(items) - 1))
+        it = items[j]
+        how = draw(st.sampled_from(["dtype", "shape", "box"]))
+        if how == "dtype":
+            items[j] = replace(it, dtype="int16" if it.dtype != "int16" else "float32")
+        elif how == "shape":
+            items[j] = LocalItem(it.key, it.dtype, (*it.shape, 1), Box((*it.box.offset, 0), (*it.box.shape, 1)))
+        else:
+            items[j] = replace(it, box=draw(box_in(tuple(n + 1 for n in it.shape))))
+        plans[i] = replace(plans[i], items=tuple(items))
+    return plans, shard_bytes
+
+
+@SETTINGS
+@given(messy_local_plans())
+def test_build_save_plan_matches_reference(case):
+    plans, shard_bytes = case
+    inner = max(1, shard_bytes // 4)
+    got = outcome(build_save_plan, plans, shard_bytes, inner)
+    want = outcome(reference_build_save_plan, plans, shard_bytes, inner)
+    if got[0] == "ok":
+        got = ("ok", (got[1].entries, got[1].writes, got[1].meta_writers, got[1].values))
+    assert got == want
+
+
+def test_replicas_go_to_the_least_loaded_holder():
+    """HSDP-style: 3 replicas x 2 shards of several tensors, plus one tensor
+    only rank 0 holds, which loads rank 0 first."""
+    big = LocalItem("a", "float32", (64,), Box.full((64,)))
+    plans = []
+    for r in range(6):
+        half = Box(((r % 2) * 4, 0), (4, 3))
+        items = [LocalItem(f"t{i}", "float32", (8, 3), half) for i in range(5)]
+        plans.append(LocalPlan(r, ([big] if r == 0 else []) + items))
+    got = build_save_plan(plans)
+    want = reference_build_save_plan(plans, grid.DEFAULT_SHARD_BYTES, grid.DEFAULT_INNER_BYTES)
+    assert (got.entries, got.writes, got.meta_writers) == want[:3]
+    # greedy by bytes: rank 0 already writes "a" (256 B), so the t_i (48 B each) go to the others
+    assert {r: len(w) for r, w in got.writes.items()} == {0: 1, 1: 2, 2: 3, 3: 2, 4: 2, 5: 1}
+
+
+# ------------------------------------------------------ compact local plans
+
+
+def test_local_items_round_trip():
+    items = (
+        LocalItem("m/w", "bfloat16", (8, 4), Box((4, 0), (4, 4))),
+        LocalItem("m/s", "int64", (), Box((), ())),
+        LocalItem("m/e", "float32", (0, 3), Box((0, 0), (0, 3))),
+    )
+    plan = LocalPlan(3, items, {"step": 1})
+    assert isinstance(plan.items, LocalItems) and len(plan.items) == 3
+    assert tuple(plan.items) == items and plan.items[1] == items[1]
+    back = pickle.loads(pickle.dumps(plan))
+    assert back == plan and tuple(back.items) == items
+    flat = np.array([4, 0, 4, 4, 0, 0, 0, 3])
+    assert LocalItems.from_arrays([(i.key, i.dtype, i.shape) for i in items], flat) == plan.items
+    assert replace(plan, items=()).items == LocalItems.of(()) and not replace(plan, items=()).items
+    assert LocalItems.of(items[:1]) != plan.items
+
+
+def test_local_items_reject_bad_input():
+    w = LocalItem("w", "float32", (8,), Box((0,), (4,)))
+    with pytest.raises(ValueError, match="'w'"):
+        LocalItems.of([w, w])
+    with pytest.raises(IncompatibleStateError, match="'w'.*outside"):
+        LocalItems.of([LocalItem("w", "float32", (8,), Box((0, 0), (4, 1)))])
+    with pytest.raises(ValueError, match="expected 2 numbers"):
+        LocalItems.from_arrays([("w", "float32", (8,))], np.zeros(3))
+
+
+def test_save_plan_pickles_and_replaces():
+    items = [LocalItem("w", "float32", (8, 2), Box((4 * r, 0), (4, 2))) for r in range(2)]
+    plan = build_save_plan([LocalPlan(r, (items[r],), {"v": r}) for r in range(2)])
+    back = pickle.loads(pickle.dumps(plan))
+    assert back == plan and back.writes_of(1) == (("w", items[1].box),) and back.writes_of(7) == ()
+    assert replace(plan, values={"v": 9}).writes == plan.writes
+    assert plan_bytes(plan, 0) == 32
+
+
+# ------------------------------------------------------------ linear growth
+
+
+def fsdp_plans(world: int, n_tensors: int) -> list[LocalPlan]:
+    """Shard(0) of ``n_tensors`` tensors of 1,000 rows over ``world`` ranks."""
+    plans = []
+    for r in range(world):
+        rows = -(-1000 // world)
+        lo, hi = min(r * rows, 1000), min((r + 1) * rows, 1000)
+        box = Box((lo, 0), (hi - lo, 64))
+        plans.append(LocalPlan(r, [LocalItem(f"layers.{i}.w", "bfloat16", (1000, 64), box) for i in range(n_tensors)]))
+    return plans
+
+
+def test_plan_sizes_grow_linearly():
+    """Not timed: what the collectives carry grows linearly with ranks (a
+    constant per rank), and the root metadata does not grow with ranks."""
+    sizes = {}
+    for world in (50, 100, 200):
+        plans = fsdp_plans(world, 40)
+        gathered = sum(len(pickle.dumps(p)) for p in plans)
+        plan = build_save_plan(plans)
+        meta = root_group_json(RootMetadata(plan.entries, {}, world_size=world))
+        sizes[world] = (gathered / world, len(pickle.dumps(plan)) / world, len(meta))
+        assert sum(len(plan.writes_of(r)) for r in range(world)) == 40 * min(world, 1000)
+    per_rank = [s[0] for s in sizes.values()]
+    assert max(per_rank) < 1.2 * min(per_rank) and max(per_rank) < 1000  # bytes per rank for 40 tensors
+    broadcast = [s[1] for s in sizes.values()]  # per rank: a fixed part (entries, one table) amortized
+    assert broadcast == sorted(broadcast, reverse=True)
+    meta = [s[2] for s in sizes.values()]  # only the digits of chunk shapes and world_size differ
+    assert max(meta) - min(meta) < 100
+
+
+def job_layouts():
+    """(name, plans) for a few job-shaped layouts over 24-48 ranks."""
+    shapes = {"embed": (1000, 16), "w": (48, 40), "b": (40,), "s": ()}
+
+    def items(box_of):
+        return [LocalItem(k, "bfloat16", s, box_of(s)) for k, s in shapes.items()]
+
+    def chunk_split(n, parts, i):  # torch.chunk: ceil-sized pieces, then empty ones
+        step = -(-n // parts)
+        return min(i * step, n), min((i + 1) * step, n)
+
+    def fsdp(world, r):
+        def box(s):
+            if not s:
+                return Box((), ())
+            lo, hi = chunk_split(s[0], world, r)
+            return Box((lo, *[0] * (len(s) - 1)), (hi - lo, *s[1:]))
+
+        return box
+
+    def tp_fsdp(tp, dp, r):  # 2-D: rows over dp, columns over tp
+        def box(s):
+            if len(s) < 2:
+                return fsdp(dp, r // tp)(s)
+            (r0, r1), (c0, c1) = chunk_split(s[0], dp, r // tp), chunk_split(s[1], tp, r % tp)
+            return Box((r0, c0), (r1 - r0, c1 - c0))
+
+        return box
+
+    yield "fsdp", [LocalPlan(r, items(fsdp(48, r))) for r in range(48)]
+    yield "tp x fsdp", [LocalPlan(r, items(tp_fsdp(4, 8, r))) for r in range(32)]
+    yield "hsdp", [LocalPlan(r, items(fsdp(8, r % 8))) for r in range(24)]  # 3 replicas of 8 shards
+    yield "shuffled", [LocalPlan(r, items(fsdp(8, r % 8))) for r in (5, 17, 0, 23, 8, *range(1, 5), *range(9, 17))]
+
+
+@pytest.mark.parametrize("name, plans", list(job_layouts()), ids=lambda v: v if isinstance(v, str) else "")
+def test_job_layouts_match_reference(name, plans):
+    got = build_save_plan(plans, shard_bytes=256, inner_bytes=64)
+    want = reference_build_save_plan(plans, 256, 64)
+    assert (got.entries, got.writes, got.meta_writers, got.values) == want

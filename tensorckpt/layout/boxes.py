@@ -14,7 +14,10 @@ import math
 from dataclasses import dataclass
 from functools import cached_property
 
+import numpy as np
+
 from ..errors import IncompatibleStateError
+from . import tiling
 
 
 @dataclass(frozen=True, order=True)
@@ -56,69 +59,24 @@ def chunk_grid(shape: tuple[int, ...], boxes: list[Box]) -> tuple[int, ...]:
     every dimension, the gcd of all box starts (so each box boundary is a chunk
     boundary). Even and ``torch.chunk``-style splits give chunk = box; an
     irregular split (4, 3, 3) gives a finer grid. Zero-size dimensions get 1."""
-    chunk = []
-    for d, n in enumerate(shape):
-        g = 0
-        for b in boxes:
-            g = math.gcd(g, b.offset[d])
-        chunk.append(max(1, g if g else n))
-    return tuple(chunk)
+    starts, _ = box_arrays(boxes, len(shape))
+    return tiling.chunk_grid(tuple(shape), starts)
 
 
 def check_partition(key: str, shape: tuple[int, ...], boxes: list[Box]) -> None:
     """Raise :class:`IncompatibleStateError` unless the distinct ``boxes``
     tile ``shape`` exactly: inside it, disjoint, covering every element."""
-    total = math.prod(shape)
     for b in boxes:
-        if len(b.offset) != len(shape) or any(o < 0 or e > n for o, e, n in zip(b.offset, b.end, shape)):
+        if len(b.offset) != len(shape) or len(b.shape) != len(shape):
             raise IncompatibleStateError(f"{key!r}: shard {b.to_json()} lies outside the global shape {list(shape)}")
-    if total == 0:
-        return
-    nonempty = [b for b in boxes if b.numel]
-    covered = sum(b.numel for b in nonempty)
-    if covered == total and (_split_along_one_dim(shape, nonempty) or _disjoint(nonempty)):
-        return
-    nonempty.sort()
-    what = "overlap" if covered > total or not _disjoint(nonempty) else "leave elements uncovered"
-    raise IncompatibleStateError(
-        f"{key!r}: the ranks' shards of global shape {list(shape)} {what}: "
-        f"{[b.to_json() for b in nonempty[:8]]}{' ...' if len(nonempty) > 8 else ''}; each element must be "
-        "held by exactly one distinct shard (replicas must hold identical boxes)"
-    )
+    tiling.check_tiling(key, tuple(shape), *box_arrays(boxes, len(shape)))
 
 
-def _split_along_one_dim(shape: tuple[int, ...], boxes: list[Box]) -> bool:
-    """Fast path for the common layouts (row or column sharding): all boxes
-    span every dimension but one, and along it they follow each other with no
-    gap or overlap."""
-    varying = {d for b in boxes for d, (o, s) in enumerate(zip(b.offset, b.shape)) if o != 0 or s != shape[d]}
-    if len(varying) > 1:
-        return False
-    if not varying:
-        return len(boxes) == 1
-    d = varying.pop()
-    pos = 0
-    for b in sorted(boxes, key=lambda b: b.offset[d]):
-        if b.offset[d] != pos:
-            return False
-        pos += b.shape[d]
-    return pos == shape[d]
-
-
-def _disjoint(boxes: list[Box]) -> bool:
-    """Sweep along the dimension with the most distinct box starts: only boxes
-    whose ranges overlap along it are compared, so grid layouts (row, column
-    or 2-D sharding) cost O(n log n)."""
-    if not boxes or not boxes[0].shape:
-        return len(boxes) <= 1
-    d = max(range(len(boxes[0].shape)), key=lambda i: len({b.offset[i] for b in boxes}))
-    active: list[Box] = []
-    for b in sorted(boxes, key=lambda b: b.offset[d]):
-        active = [a for a in active if a.end[d] > b.offset[d]]
-        if any(a.intersect(b) is not None for a in active):
-            return False
-        active.append(b)
-    return True
+def box_arrays(boxes: list[Box], ndim: int) -> tuple[np.ndarray, np.ndarray]:
+    """``boxes`` as the (starts, sizes) int64 arrays of :mod:`tensorckpt.layout.tiling`."""
+    starts = np.array([b.offset for b in boxes], np.int64).reshape(len(boxes), ndim)
+    sizes = np.array([b.shape for b in boxes], np.int64).reshape(len(boxes), ndim)
+    return starts, sizes
 
 
 def chunks_in(box: Box, chunk: tuple[int, ...], shape: tuple[int, ...]):

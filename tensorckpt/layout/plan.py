@@ -1,44 +1,82 @@
 """Save planning (pure): the ranks' local plans -> one global plan saying what
 is stored (tensor entries, chunk grids) and who writes which stored object.
-Frozen, JSON-able data; testable without processes."""
+Frozen data (tensor entries, ints, bytes); testable without processes.
+
+Rules: every distinct non-empty box of a tensor is written once, by one of
+the ranks holding it; a replicated box goes to its least-loaded holder (bytes
+assigned so far, tensors taken in key order, boxes in sorted order), ties to
+the lowest rank. The array's zarr.json is written by the writer of its first
+box (or, for a tensor with nothing to store, by its first holder).
+
+Cost: rank 0 decodes each distinct table of tensors once; then, per tensor,
+a few numpy passes over its holders' boxes (sorting at worst), so planning
+grows linearly with ranks x tensors. A rank holds at most one box of each
+tensor (see :class:`~tensorckpt.layout.local.LocalItems`), so the holders of
+one tensor are distinct ranks and the least-loaded choices of its boxes are
+independent of each other: they are made together.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import bisect
+import zlib
+from collections import Counter
+from dataclasses import dataclass
+
+import numpy as np
 
 from ..errors import IncompatibleStateError
 from ..format import dtypes
 from ..format.metadata import TensorEntry
-from . import grid
-from .boxes import Box, check_partition, chunk_grid
+from . import grid, tiling
+from .boxes import Box
+from .local import LocalItem, LocalItems, LocalPlan, Spec, decode_table
 
-
-@dataclass(frozen=True)
-class LocalItem:
-    """One rank holds ``box`` of tensor ``key`` (global ``shape``, ``dtype``)."""
-
-    key: str
-    dtype: str
-    shape: tuple[int, ...]
-    box: Box
-
-
-@dataclass(frozen=True)
-class LocalPlan:
-    rank: int
-    items: tuple[LocalItem, ...]
-    values: dict = field(default_factory=dict)  # flat key -> JSON value
+__all__ = ["LocalItem", "LocalItems", "LocalPlan", "SavePlan", "build_save_plan", "merge_values", "plan_bytes"]
 
 
 @dataclass(frozen=True)
 class SavePlan:
+    """The global plan. Who writes what is kept compactly, because the plan
+    goes to every rank: ``held[i]`` is what rank ``ranks[i]`` holds, and
+    ``written`` is a bit matrix (row per tensor in key order, column per
+    entry of ``ranks``, ``numpy.packbits`` order) saying whether that rank
+    writes its box of that tensor. :meth:`writes_of` unpacks one rank's part."""
+
     entries: dict[str, TensorEntry]
-    writes: dict[int, tuple[tuple[str, Box], ...]]  # rank -> the boxes it writes
     meta_writers: dict[str, int]  # array key -> rank writing its zarr.json
     values: dict
+    ranks: tuple[int, ...] = ()  # ascending
+    held: tuple[LocalItems, ...] = ()
+    written: bytes = b""
 
     def writes_of(self, rank: int) -> tuple[tuple[str, Box], ...]:
-        return self.writes.get(rank, ())
+        """The boxes ``rank`` writes, in key order."""
+        i = bisect.bisect_left(self.ranks, rank)
+        if i == len(self.ranks) or self.ranks[i] != rank:
+            return ()
+        row_bytes = (len(self.ranks) + 7) // 8
+        byte, mask = i // 8, 0x80 >> (i % 8)
+        row = {k: t for t, k in enumerate(sorted(self.entries))}
+        mine = [(it.key, it.box) for it in self.held[i] if self.written[row[it.key] * row_bytes + byte] & mask]
+        return tuple(sorted(mine, key=lambda w: w[0]))
+
+    @property
+    def writes(self) -> dict[int, tuple[tuple[str, Box], ...]]:
+        """Every rank's writes (ranks writing nothing left out); for tests and inspection."""
+        return {r: w for r in self.ranks if (w := self.writes_of(r))}
+
+
+@dataclass(frozen=True, eq=False)
+class _Layout:
+    """The ranks holding one same table of tensors; their boxes as a matrix."""
+
+    specs: tuple[Spec, ...]
+    columns: tuple[int, ...]  # where each tensor's box starts in a row of ``boxes``
+    slots: np.ndarray  # the ranks' indices in SavePlan.ranks
+    boxes: np.ndarray  # (len(slots), width) int64
+    first_slot: int  # of the rank coming first in the caller's list of plans
+    first_position: int  # its position there
 
 
 def build_save_plan(
@@ -46,46 +84,108 @@ def build_save_plan(
     shard_bytes: int = grid.DEFAULT_SHARD_BYTES,
     inner_bytes: int = grid.DEFAULT_INNER_BYTES,
 ) -> SavePlan:
-    by_key: dict[str, list[tuple[int, LocalItem]]] = {}
-    for p in plans:
-        for it in p.items:
-            by_key.setdefault(it.key, []).append((p.rank, it))
     values = merge_values(plans)
+    ranks, held, layouts = _layouts(plans)
+    by_key: dict[str, list[tuple[_Layout, int]]] = {}
+    for lay in layouts:
+        for j, (key, _, _) in enumerate(lay.specs):
+            by_key.setdefault(key, []).append((lay, j))
     clash = sorted(set(values) & set(by_key))
     if clash:
         raise IncompatibleStateError(f"keys {clash[:10]} are tensors on some ranks and plain values on others")
 
-    entries, writes, meta = {}, {}, {}
-    load: dict[int, int] = {p.rank: 0 for p in plans}  # bytes assigned per rank
-    for key in sorted(by_key):
-        holders = by_key[key]
-        first = holders[0][1]
-        for rank, it in holders:
-            if (it.dtype, it.shape) != (first.dtype, first.shape):
-                raise IncompatibleStateError(
-                    f"{key!r}: ranks disagree on the logical tensor: rank {holders[0][0]} has "
-                    f"{list(first.shape)} {first.dtype}, rank {rank} has {list(it.shape)} {it.dtype}"
-                )
-        itemsize = dtypes.BY_TORCH[first.dtype].itemsize
-        replicas: dict[Box, list[int]] = {}
-        for rank, it in holders:
-            if it.box.numel or not first.shape:
-                replicas.setdefault(it.box, []).append(rank)
-        boxes = sorted(replicas)
-        check_partition(key, first.shape, boxes)
-        if boxes == [Box.full(first.shape)] or not boxes:
-            chunk = grid.single_writer_chunks(first.shape, itemsize, shard_bytes)
-        else:
-            chunk = grid.cap_chunks(chunk_grid(first.shape, boxes), itemsize, shard_bytes)
-        entries[key] = TensorEntry(first.dtype, first.shape, chunk, grid.inner_chunks(chunk, itemsize, inner_bytes))
-        for box in boxes:  # replicated boxes go to the least-loaded holder
-            holders_of_box = replicas[box]
-            writer = holders_of_box[0] if len(holders_of_box) == 1 else min(holders_of_box, key=lambda r: (load[r], r))
-            load[writer] += box.numel * itemsize
-            writes.setdefault(writer, []).append((key, box))
-            meta.setdefault(key, writer)
-        meta.setdefault(key, holders[0][0])
-    return SavePlan(entries, {r: tuple(w) for r, w in writes.items()}, meta, values)
+    keys = sorted(by_key)
+    load = np.zeros(len(ranks), np.int64)  # bytes assigned per rank
+    written = np.zeros((len(keys), len(ranks)), bool)
+    entries, meta = {}, {}
+    for t, key in enumerate(keys):
+        entries[key], writers, meta[key] = _plan_tensor(key, by_key[key], ranks, load, shard_bytes, inner_bytes)
+        written[t, writers] = True
+    return SavePlan(entries, meta, values, ranks, held, np.packbits(written, axis=1).tobytes())
+
+
+def _plan_tensor(
+    key: str,
+    holders: list[tuple[_Layout, int]],
+    ranks: tuple[int, ...],
+    load: np.ndarray,
+    shard_bytes: int,
+    inner_bytes: int,
+) -> tuple[TensorEntry, np.ndarray, int]:
+    """One tensor's entry, its writers (rank slots, one per distinct box in
+    sorted order) and the rank writing its zarr.json; adds the bytes the
+    writers write to ``load``."""
+    ref_layout, ref_j = min(holders, key=lambda h: h[0].first_position)
+    _, dtype, shape = ref_layout.specs[ref_j]
+    differ = [h for h in holders if h[0].specs[h[1]][1:] != (dtype, shape)]
+    if differ:
+        other, j = min(differ, key=lambda h: h[0].first_position)
+        _, other_dtype, other_shape = other.specs[j]
+        raise IncompatibleStateError(
+            f"{key!r}: ranks disagree on the logical tensor: rank {ranks[ref_layout.first_slot]} has "
+            f"{list(shape)} {dtype}, rank {ranks[other.first_slot]} has {list(other_shape)} {other_dtype}"
+        )
+    itemsize = dtypes.BY_TORCH[dtype].itemsize
+    ndim = len(shape)
+    parts = [lay.boxes[:, lay.columns[j] : lay.columns[j] + 2 * ndim] for lay, j in holders]
+    rows = np.asfortranarray(np.concatenate(parts))  # holders x (offset, shape)
+    slots = np.concatenate([lay.slots for lay, _ in holders])
+    nonempty = tiling.row_product(rows[:, ndim:]) != 0
+    if ndim and not nonempty.all():  # holders of an empty box write nothing
+        rows, slots = tiling.take_rows(rows, nonempty), slots[nonempty]
+    boxes, box_of = tiling.unique_rows(rows)
+    starts, sizes = boxes[:, :ndim], boxes[:, ndim:]
+    tiling.check_tiling(key, shape, starts, sizes)
+    if not len(boxes) or (len(boxes) == 1 and not starts.any() and bool(np.all(sizes[0] == shape))):
+        chunk = grid.single_writer_chunks(shape, itemsize, shard_bytes)
+    else:
+        chunk = grid.cap_chunks(tiling.chunk_grid(shape, starts), itemsize, shard_bytes)
+    entry = TensorEntry(dtype, shape, chunk, grid.inner_chunks(chunk, itemsize, inner_bytes))
+    writers = _writers(box_of, slots, len(boxes), load)
+    load[writers] += tiling.row_product(sizes) * itemsize
+    return entry, writers, ranks[writers[0] if len(writers) else ref_layout.first_slot]
+
+
+def _writers(box_of: np.ndarray, slots: np.ndarray, n_boxes: int, load: np.ndarray) -> np.ndarray:
+    """For each box, the holder with the least ``load``, then the lowest
+    rank. The holders (``slots``, holding box ``box_of``) are distinct ranks."""
+    if len(box_of) == n_boxes:  # no replicas
+        writers = np.empty(n_boxes, np.intp)
+        writers[box_of] = slots
+        return writers
+    order = np.lexsort((slots, load[slots], box_of))
+    grouped = box_of[order]
+    first = np.ones(len(order), bool)
+    first[1:] = grouped[1:] != grouped[:-1]
+    return slots[order[first]]
+
+
+def _layouts(plans: list[LocalPlan]) -> tuple[tuple[int, ...], tuple[LocalItems, ...], list[_Layout]]:
+    """The ranks in ascending order, what each holds (equal tables sharing
+    one bytes object, so the plan pickles each once), and the ranks grouped
+    by table."""
+    position = sorted(range(len(plans)), key=lambda i: plans[i].rank)
+    ranks = tuple(plans[i].rank for i in position)
+    twice = sorted(r for r, n in Counter(ranks).items() if n > 1)
+    if twice:
+        raise ValueError(f"local plans: each rank may appear once; ranks {twice[:10]} appear more than once")
+    by_table: dict[bytes, list[int]] = {}
+    for slot, i in enumerate(position):
+        by_table.setdefault(plans[i].items.table, []).append(slot)
+    shared = {table: table for table in by_table}  # one bytes object per distinct table
+    held = tuple(LocalItems(p.items.count, shared[p.items.table], p.items.boxes) for p in (plans[i] for i in position))
+    layouts = []
+    for table, slots in by_table.items():
+        specs = decode_table(table)
+        columns = np.cumsum([0] + [2 * len(s) for _, _, s in specs]).tolist()
+        raw = b"".join(zlib.decompress(held[s].boxes) for s in slots)
+        boxes = np.frombuffer(raw, dtype="<i8")
+        if any(held[s].count != len(specs) for s in slots) or boxes.size != columns[-1] * len(slots):
+            raise ValueError("local plans: a table of tensors does not match its boxes")
+        first = min(slots, key=lambda s: position[s])
+        boxes = boxes.reshape(len(slots), columns[-1])
+        layouts.append(_Layout(specs, tuple(columns[:-1]), np.array(slots), boxes, first, position[first]))
+    return ranks, held, layouts
 
 
 def merge_values(plans: list[LocalPlan]) -> dict:
@@ -100,4 +200,3 @@ def merge_values(plans: list[LocalPlan]) -> dict:
 def plan_bytes(plan: SavePlan, rank: int) -> int:
     e = plan.entries
     return sum(b.numel * dtypes.BY_TORCH[e[k].dtype].itemsize for k, b in plan.writes_of(rank))
-
