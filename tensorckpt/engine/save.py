@@ -18,6 +18,7 @@ save's plan: ranks send only their values, and rank 0 skips planning.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 import time
@@ -38,6 +39,7 @@ from ..layout.plan import LocalItem, LocalPlan, SavePlan, build_save_plan, merge
 from ..storage import arrays, commit, kv, location
 from .group import Group, capture, reraise
 
+WRITEBACK_BYTES = 64 << 20  # from this much data on, sync in the background while writing
 _GROUP_JSON = dumps({"zarr_format": 3, "node_type": "group", "attributes": {}})
 OPTIONS = ("metadata", "shard_bytes", "inner_chunk_bytes")
 
@@ -248,16 +250,20 @@ def _write_local(state: Mapping, plan: SavePlan, loc: location.Location, rank: i
     opened = {k: arrays.open_write(loc, k, plan.entries[k]) for k in {k for k, _ in mine}}
     writes = []
     start, staging = time.perf_counter(), 0.0
-    try:
-        for key, box in mine:
-            t0 = time.perf_counter()
-            t = _host(local_part(key, leaves[key].value)[0])
-            staging += time.perf_counter() - t0
-            if box.numel:
-                arr = opened[key].result()
-                writes.append((key, arr[box.slices()].write(dtypes.to_numpy(t)) if box.shape else arr.write(dtypes.to_numpy(t))))
-    finally:
-        failure = _settle(loc, writes, opened, meta_write)
+    big = loc.is_local and plan_bytes(plan, rank) >= WRITEBACK_BYTES
+    writeback = kv.Writeback(loc.path) if big else contextlib.nullcontext()
+    with writeback:  # the disk writes back while TensorStore encodes the rest
+        try:
+            for key, box in mine:
+                t0 = time.perf_counter()
+                t = _host(local_part(key, leaves[key].value)[0])
+                staging += time.perf_counter() - t0
+                if box.numel:
+                    arr = opened[key].result()
+                    data = dtypes.to_numpy(t)
+                    writes.append((key, arr[box.slices()].write(data) if box.shape else arr.write(data)))
+        finally:
+            failure = _settle(loc, writes, opened, meta_write)
     stats.seconds["stage"] = stats.seconds.get("stage", 0.0) + staging
     stats.seconds["write"] = time.perf_counter() - start - staging
     if failure is not None:
