@@ -1,9 +1,22 @@
 """``tensorckpt.open(path)``: a read-only view of a committed checkpoint that
 needs no process group. It reads the root metadata once; tensors are read
-lazily, whole or by region."""
+lazily, whole or by region.
+
+Everything stored is untrusted (spec section 12). The root ``zarr.json`` is
+parsed and validated in Python before anything else. Each array's
+``zarr.json`` is read and checked against its index entry in Python too, and
+TensorStore is then opened with that checked metadata, so it never parses a
+stored JSON document itself (its parser crashes on deeply nested input).
+TensorStore decodes the chunks and verifies every CRC-32C; its errors become
+:class:`CorruptCheckpointError` naming the tensor and the stored chunk.
+"""
 
 from __future__ import annotations
 
+import math
+import os
+import re
+import stat
 from dataclasses import dataclass
 
 import numpy as np
@@ -16,11 +29,17 @@ from .errors import (
     CorruptCheckpointError,
     IncompleteCheckpointError,
     InvalidIndexError,
+    TensorckptError,
 )
 from .format import dtypes
 from .format.keys import flat_key, split_flat_key
 from .format.metadata import RootMetadata, TensorEntry, loads, parse_root
 from .storage import arrays, commit, kv, location
+
+# A read up to this size is allocated at once; a larger one first checks that
+# the array stores at least that many bytes (version 1 does not compress), so
+# a forged index cannot make a reader allocate out of proportion to the data.
+TRUSTED_READ_BYTES = 64 << 20
 
 
 @dataclass(frozen=True)
@@ -50,28 +69,50 @@ def read_root(loc: location.Location) -> RootMetadata:
 
 
 def read_root_bytes(loc: location.Location) -> bytes:
-    data = kv.read(loc, commit.ROOT_KEY)
-    if data is None:
+    try:
+        data = read_object(loc, commit.ROOT_KEY)
+        if data is not None:
+            return data
         stale = commit.leftovers(loc)
-        if kv.exists(loc) or stale:
-            found = ", ".join(str(s) for s in ([loc] if kv.exists(loc) else []) + stale)
-            whole = [str(s) for s in stale if kv.read(s, commit.ROOT_KEY) is not None]
-            hint = (
-                f" A complete checkpoint from an interrupted replace sits at {', '.join(whole)}: open or load it there."
-                if whole
-                else " Load an earlier checkpoint, or delete these and save again."
-            )
-            raise IncompleteCheckpointError(
-                f"{loc}: the checkpoint was never committed (no root zarr.json); an interrupted "
-                f"save left data at {found}.{hint}"
-            )
+        here = kv.exists(loc)
+        whole = [str(s) for s in stale if kv.read(s, commit.ROOT_KEY) is not None]
+    except NotADirectoryError:
+        raise CheckpointNotFoundError(f"{loc}: no checkpoint found (a parent is not a directory)") from None
+    except (OSError, ValueError) as e:
+        raise TensorckptError(f"{loc}/{commit.ROOT_KEY}: cannot be read ({short(e)})") from None
+    if not here and not stale:
         raise CheckpointNotFoundError(f"{loc}: no checkpoint found")
-    return data
+    found = ", ".join(str(s) for s in ([loc] if here else []) + stale)
+    hint = (
+        f" A complete checkpoint from an interrupted replace sits at {', '.join(whole)}: open or load it there."
+        if whole
+        else " Load an earlier checkpoint, or delete these and save again."
+    )
+    raise IncompleteCheckpointError(
+        f"{loc}: the checkpoint was never committed (no root zarr.json); an interrupted "
+        f"save left data at {found}.{hint}"
+    )
 
 
 def parse_root_bytes(loc: location.Location, data: bytes) -> RootMetadata:
     where = f"{loc}/{commit.ROOT_KEY}"
     return parse_root(loads(data, where), where)
+
+
+def read_object(loc: location.Location, key: str) -> bytes | None:
+    """A small stored object (a ``zarr.json``), or None if absent. A local one
+    must be a regular file: opening a FIFO planted in a checkpoint would block
+    forever."""
+    if not loc.is_local:
+        return kv.read(loc, key)
+    path = os.path.join(loc.path, key)
+    try:
+        if not stat.S_ISREG(os.stat(path).st_mode):
+            raise CorruptCheckpointError(f"{loc}/{key}: not a regular file")
+        with open(path, "rb") as f:
+            return f.read()
+    except (FileNotFoundError, NotADirectoryError):
+        return None
 
 
 class Checkpoint:
@@ -124,7 +165,9 @@ class Checkpoint:
         if index is not None:
             arr = arr[_normalize_index(index, e.shape, f"{self.path}: tensor {k!r}")]
         d = dtypes.BY_TORCH[e.dtype]
-        out = np.empty(tuple(arr.shape), dtype=d.numpy)
+        shape = tuple(arr.shape)
+        self._check_backed(k, math.prod(shape) * d.itemsize)
+        out = np.empty(shape, dtype=d.numpy)
         self.read_into(k, arr, out)
         return dtypes.from_numpy(out, d)
 
@@ -140,18 +183,47 @@ class Checkpoint:
         return self._arrays[key]
 
     def open_arrays(self, keys) -> dict[str, ts.TensorStore]:
-        """Open several arrays concurrently, validating each against the index."""
-        futures = {k: arrays.open_read(self.location, k, self._meta.tensors[k]) for k in keys if k not in self._arrays}
-        for k, f in futures.items():
-            a = wait(self.path, k, f)
+        """Open several arrays, each once its ``zarr.json`` is found to agree
+        with the index (spec section 7). TensorStore gets the checked metadata
+        and never reads the stored document."""
+        todo = [k for k in keys if k not in self._arrays]
+        remote = todo and not self.location.is_local
+        store = ts.KvStore.open(self.location.kvstore(), context=location.CONTEXT).result() if remote else None
+        reads = {k: _start_read(self.location, store, f"{k}/zarr.json") for k in todo}
+        for k, pending in reads.items():
+            where = f"{self.path}/{k}/zarr.json"
+            try:
+                data = pending()
+            except (OSError, ValueError) as e:
+                raise CorruptCheckpointError(f"{where}: cannot be read ({short(e)})") from None
+            if data is None:
+                raise CorruptCheckpointError(f"{where}: missing; the index lists tensor {k!r} but its array metadata is not stored")
             e = self._meta.tensors[k]
-            if tuple(a.shape) != e.shape or a.dtype.numpy_dtype != dtypes.BY_TORCH[e.dtype].numpy:
-                raise CorruptCheckpointError(
-                    f"{self.path}/{k}/zarr.json: array is {list(a.shape)} {a.dtype.name} but the "
-                    f"checkpoint index says {list(e.shape)} {e.dtype}"
-                )
-            self._arrays[k] = a
+            check_array_metadata(loads(data, where), e, where)
+            spec = {"driver": "zarr3", "kvstore": self.location.kvstore(k), "metadata": arrays.zarr_metadata(e),
+                    "assume_metadata": True, "fill_missing_data_reads": False}
+            try:
+                self._arrays[k] = ts.open(spec, context=location.CONTEXT, read=True).result()
+            except ValueError as err:
+                raise CorruptCheckpointError(f"{where}: an array with this metadata cannot be opened ({short(err)})") from None
         return {k: self._arrays[k] for k in keys}
+
+    def chunk_objects(self, key: str) -> dict[tuple[int, ...], int | None]:
+        """The chunk objects stored for tensor ``key``: grid position -> size
+        in bytes (None: not a regular file). Found by listing, so the work is
+        proportional to what is stored, never to what the index claims.
+        Other objects are ignored."""
+        e = self._entry(key)
+        grid = [-(-s // c) for s, c in zip(e.shape, e.chunk_shape)]
+        out = {}
+        for name, size in _object_sizes(self.location, key):
+            parts = name.split("/")
+            if parts[0] != "c" or len(parts) != len(grid) + 1 or not all(p.isascii() and p.isdigit() for p in parts[1:]):
+                continue
+            pos = tuple(int(p) for p in parts[1:])
+            if parts[1:] == [str(i) for i in pos] and all(i < n for i, n in zip(pos, grid)):
+                out[pos] = size
+        return out
 
     def to_state_dict(self) -> dict:
         """The whole checkpoint as a nested dict of tensors and values."""
@@ -171,6 +243,124 @@ class Checkpoint:
             kind = "a value, not a tensor" if k in self._meta.values else "not in the checkpoint"
             raise KeyError(f"{self.path}: key {k!r} is {kind}")
         return e
+
+    def _check_backed(self, key: str, nbytes: int) -> None:
+        """Refuse, before allocating, a read larger than all the array stores."""
+        if nbytes <= TRUSTED_READ_BYTES:
+            return
+        stored = sum(n or 0 for n in self.chunk_objects(key).values())
+        if nbytes > stored:
+            e = self._meta.tensors[key]
+            raise CorruptCheckpointError(
+                f"{self.path}/{commit.ROOT_KEY}: tensor {key!r} is {list(e.shape)} {e.dtype}, so reading it needs "
+                f"{nbytes} bytes, but its stored chunks hold only {stored} bytes; not allocating that"
+            )
+
+
+def _start_read(loc: location.Location, store: ts.KvStore, key: str):
+    """Start reading a small object; returns a function giving its bytes or None."""
+    if loc.is_local:
+        return lambda: read_object(loc, key)
+    future = store.read(key)
+
+    def result() -> bytes | None:
+        r = future.result()
+        return r.value if r.state == "value" else None
+
+    return result
+
+
+def _object_sizes(loc: location.Location, prefix: str):
+    """(key relative to ``prefix``, size) of every stored object under it. A
+    local object that is not a regular file (a link, a FIFO, a device: none
+    of which a writer makes) has size None; links are not followed."""
+    if not loc.is_local:
+        sub = location.Location(loc.scheme, f"{loc.path}/{prefix}")
+        for name in kv.list_keys(sub):
+            data = kv.read(sub, name)
+            if data is not None:
+                yield name, len(data)
+        return
+    top = os.path.join(loc.path, prefix)
+    for folder, _, files in os.walk(top):
+        for f in files:
+            st = os.lstat(os.path.join(folder, f))
+            size = st.st_size if stat.S_ISREG(st.st_mode) else None
+            yield os.path.relpath(os.path.join(folder, f), top).replace(os.sep, "/"), size
+
+
+# ----------------------------------------------------------------- array metadata
+
+
+def check_array_metadata(doc: object, entry: TensorEntry, where: str) -> None:
+    """Check an array's ``zarr.json`` against its index entry, as spec
+    section 7 requires: exactly the members tensorckpt writes, where a member
+    equal to its Zarr default may be omitted, ``dimension_names`` and
+    ``must_understand: false`` extensions are ignored, and only
+    ``attributes.tensorckpt.dtype`` of the attributes is checked."""
+    if not isinstance(doc, dict):
+        raise CorruptCheckpointError(f"{where}: not a JSON object")
+    want = {"zarr_format": 3, "node_type": "array", **arrays.zarr_metadata(entry)}
+    if doc.get("storage_transformers", []) != []:
+        raise CorruptCheckpointError(f"{where}: storage_transformers are not allowed")
+    got = {
+        k: v for k, v in doc.items()
+        if k not in ("dimension_names", "storage_transformers")
+        and not (isinstance(v, dict) and v.get("must_understand") is False and k not in want)
+    }
+    _fill_defaults(got, dtypes.BY_TORCH[entry.dtype].itemsize)
+    attrs = got.get("attributes")
+    if isinstance(attrs, dict) and isinstance(attrs.get("tensorckpt"), dict):
+        got["attributes"] = {"tensorckpt": {"dtype": attrs["tensorckpt"].get("dtype")}}
+    if _same(got.get("fill_value"), want["fill_value"], numbers=True):
+        got["fill_value"] = want["fill_value"]  # 0 and 0.0 are the same JSON number
+    for member in sorted(want.keys() | got.keys()):
+        if member not in want:
+            raise CorruptCheckpointError(f"{where}: unexpected member {member!r}")
+        if member not in got:
+            raise CorruptCheckpointError(f"{where}: member {member!r} is missing")
+        if not _same(got[member], want[member]):
+            raise CorruptCheckpointError(
+                f"{where}: {member} is {_clip(got[member])} but the checkpoint index implies {_clip(want[member])}"
+            )
+
+
+def _fill_defaults(doc: dict, itemsize: int) -> None:
+    """Put back the members Zarr lets a writer omit (spec section 7), where
+    the documents around them have the expected shape."""
+    enc = doc.get("chunk_key_encoding")
+    if isinstance(enc, dict) and enc.get("name") == "default" and "configuration" not in enc:
+        doc["chunk_key_encoding"] = {**enc, "configuration": {"separator": "/"}}
+    codecs = doc.get("codecs")
+    if not (isinstance(codecs, list) and len(codecs) == 1 and isinstance(codecs[0], dict)):
+        return
+    cfg = codecs[0].get("configuration")
+    if not isinstance(cfg, dict):
+        return
+    cfg = {"index_location": "end", **cfg}
+    inner = cfg.get("codecs")
+    if itemsize == 1 and isinstance(inner, list) and inner and inner[0] == {"name": "bytes"}:
+        cfg["codecs"] = [{"name": "bytes", "configuration": {"endian": "little"}}, *inner[1:]]
+    doc["codecs"] = [{**codecs[0], "configuration": cfg}]
+
+
+def _same(a: object, b: object, numbers: bool = False) -> bool:
+    """JSON equality that tells true from 1, and (unless ``numbers``) 1 from 1.0."""
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(_same(a[k], b[k], numbers) for k in a)
+    if isinstance(a, list) and isinstance(b, list):
+        return len(a) == len(b) and all(_same(x, y, numbers) for x, y in zip(a, b))
+    if numbers and type(a) in (int, float) and type(b) in (int, float):
+        return a == b
+    return type(a) is type(b) and a == b
+
+
+def _clip(v: object, limit: int = 120) -> str:
+    s = repr(v)
+    return s if len(s) <= limit else s[:limit] + "..."
+
+
+# ----------------------------------------------------------------- indices
 
 
 def _normalize_index(index, shape: tuple[int, ...], where: str) -> tuple:
@@ -203,20 +393,42 @@ def _normalize_index(index, shape: tuple[int, ...], where: str) -> tuple:
     return tuple(out)
 
 
+# ----------------------------------------------------------------- errors
+
+_CHUNK_RE = re.compile(r'/c((?:/[0-9]+)*)"')  # the end of the stored object a TensorStore error quotes
+_INNER_RE = re.compile(r"shard entry \{([0-9, ]*)\}/")
+_SPEC_RE = re.compile(r"\s*\[tensorstore_spec=.*\]\s*$", re.S)
+
+
 def wait(path: str, key: str, future):
-    """Resolve a TensorStore future, turning its errors into tensorckpt ones."""
+    """Resolve a TensorStore read of tensor ``key``, turning its errors into a
+    :class:`CorruptCheckpointError` naming the tensor and the stored chunk."""
     try:
         return future.result()
     except ValueError as e:
-        msg = str(e)
-        if "DATA_LOSS" in msg or "checksum" in msg.lower() or "digest" in msg.lower():
-            raise CorruptCheckpointError(f"{path}: tensor {key!r}: stored data is corrupt ({msg})") from None
-        if "NOT_FOUND" in msg:
-            what = "a stored chunk is missing" if "chunk" in msg else "its array metadata (zarr.json) is missing"
-            raise CorruptCheckpointError(f"{path}: tensor {key!r}: {what} ({msg})") from None
-        if "FAILED_PRECONDITION" in msg or "Mismatch" in msg:
-            raise CorruptCheckpointError(
-                f"{path}/{key}/zarr.json: the array metadata does not match the checkpoint index ({msg})"
-            ) from None
-        raise CorruptCheckpointError(f"{path}: tensor {key!r}: {msg}") from None
+        raise CorruptCheckpointError(chunk_error(path, key, str(e))) from None
 
+
+def chunk_error(path: str, key: str, msg: str) -> str:
+    """The message for a failed read: which stored chunk (object path and
+    grid position, and inner chunk when known) and what is wrong with it."""
+    msg = short(msg)
+    if "NOT_FOUND" in msg:
+        what = "is missing"
+    elif "Digest mismatch" in msg:
+        what = "fails its CRC-32C checksum: the stored data is corrupt"
+    else:
+        what = "is malformed (truncated or damaged)"
+    found = list(_CHUNK_RE.finditer(msg))
+    if not found:
+        return f"{path}: tensor {key!r}: a stored chunk {what} ({msg})"
+    coords = found[-1].group(1)
+    position = tuple(int(c) for c in coords.split("/")[1:])
+    inner = _INNER_RE.search(msg)
+    inner = f", inner chunk ({inner.group(1)})" if inner and inner.group(1) else ""
+    return f"{path}/{key}/c{coords}: tensor {key!r}, chunk {position}{inner}, {what} ({msg})"
+
+
+def short(e: object) -> str:
+    """A TensorStore error without the long spec JSON it appends."""
+    return _SPEC_RE.sub("", str(e))

@@ -1,7 +1,19 @@
 """The ``tensorckpt`` command line (also ``python -m tensorckpt``).
 
     tensorckpt inspect PATH [--json]   the tree of keys (shape, dtype, size),
-                                       format version and completeness
+                                       format version, completeness, and the
+                                       save's phase times across ranks
+    tensorckpt verify PATH [--json] [--quiet]
+                                       check every metadata document and read
+                                       every chunk back; exit 1 if the
+                                       checkpoint is incomplete or corrupt
+    tensorckpt clean PATH [--older-than SECONDS] [--dry-run] [--json]
+                                       remove what interrupted saves left
+                                       (spec 10.5: never a committed
+                                       checkpoint, never a save in progress)
+
+Exit status: 0 success, 1 incomplete or corrupt checkpoint (inspect,
+verify), 2 usage or other errors.
 """
 
 from __future__ import annotations
@@ -9,10 +21,15 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 
+from . import monitor
 from .checkpoint import Checkpoint
+from .clean import DEFAULT_OLDER_THAN
+from .clean import clean as clean_leftovers
 from .errors import IncompleteCheckpointError, TensorckptError
 from .format.keys import split_flat_key
+from .verify import verify as verify_checkpoint
 
 
 def _size(n: int) -> str:
@@ -37,6 +54,7 @@ def inspect(path: str, as_json: bool = False, out=None) -> int:
     idx = ckpt.index
     if as_json:
         doc = {"path": ckpt.path, "complete": True, **idx.to_json()}
+        doc["save_phases"] = {r.phase: r.to_json() for r in monitor.summarize(idx.save_stats)}
         print(json.dumps(doc, indent=1), file=out)
         return 0
     m = ckpt.metadata
@@ -46,7 +64,10 @@ def inspect(path: str, as_json: bool = False, out=None) -> int:
     print(f"format      {m.format_version}  (written by tensorckpt {m.library_version or '?'}, {m.created or '?'}, world size {m.world_size})", file=out)
     if m.user_metadata:
         print(f"metadata    {json.dumps(m.user_metadata)[:200]}", file=out)
-    print(f"contents    {len(idx.tensors)} tensors ({_size(total)}), {len(idx.values)} values\n", file=out)
+    print(f"contents    {len(idx.tensors)} tensors ({_size(total)}), {len(idx.values)} values", file=out)
+    for line in monitor.render(idx.save_stats):
+        print(line, file=out)
+    print(file=out)
     shown: set[tuple[str, ...]] = set()
     for key in sorted([*idx.tensors, *idx.values], key=split_flat_key):
         path_ = split_flat_key(key)
@@ -64,14 +85,108 @@ def inspect(path: str, as_json: bool = False, out=None) -> int:
     return 0
 
 
+def verify(path: str, as_json: bool = False, quiet: bool = False, out=None, err=None) -> int:
+    """Check a checkpoint completely (:func:`tensorckpt.verify`), with a
+    progress bar on ``err`` when it is a terminal. Returns 0 if all is well,
+    1 if the checkpoint is incomplete or corrupt."""
+    out, err = out or sys.stdout, err or sys.stderr
+    bar = _Progress(err) if not quiet and err.isatty() else None
+    try:
+        report = verify_checkpoint(path, progress=bar)
+    finally:
+        if bar is not None:
+            bar.close()
+    if as_json:
+        print(json.dumps(report.to_json(), indent=1), file=out)
+    else:
+        print(f"checkpoint  {report.path}", file=out)
+        print(f"status      {report.status.upper()}", file=out)
+        print(f"checked     {report.tensors} tensors, {report.chunks} chunks, {_size(report.bytes)} read back", file=out)
+        print(f"problems    {len(report.problems)}", file=out)
+        for problem in report.problems:
+            print(f"  {problem.kind}: {problem.message}", file=out)
+    return 0 if report.ok else 1
+
+
+def clean(path: str, older_than: float = DEFAULT_OLDER_THAN, dry_run: bool = False, as_json: bool = False,
+          out=None) -> int:
+    """Remove the leftovers of interrupted saves to ``path`` that the rule of
+    spec 10.5 allows (:func:`tensorckpt.clean`); report what went and what
+    stayed, and why."""
+    out = out or sys.stdout
+    report = clean_leftovers(path, older_than=older_than, dry_run=dry_run)
+    if as_json:
+        print(json.dumps(report.to_json(), indent=1), file=out)
+        return 0
+    state = "committed, left alone" if report.committed else "not committed"
+    print(f"checkpoint  {report.path} ({state})", file=out)
+    if not report.leftovers:
+        print("no leftovers of interrupted saves", file=out)
+    for x in report.leftovers:
+        verb = ("would remove" if dry_run else "removed") if x.removed else "kept"
+        print(f"  {verb:<12} {x.path}: {x.reason}", file=out)
+    return 0
+
+
+class _Progress:
+    """A one-line progress bar: ``verify  42% [#####       ] 1.2 GiB / 2.9 GiB``."""
+
+    WIDTH = 30
+
+    def __init__(self, stream) -> None:
+        self.stream = stream
+        self.shown = 0.0  # when the bar was last drawn
+
+    def __call__(self, done: int, total: int) -> None:
+        now = time.monotonic()
+        if now - self.shown < 0.1 and done < total:
+            return
+        self.shown = now
+        frac = min(1.0, done / total) if total else 1.0
+        fill = int(frac * self.WIDTH)
+        bar = "#" * fill + " " * (self.WIDTH - fill)
+        self.stream.write(f"\rverify {frac:4.0%} [{bar}] {_size(done)} / {_size(total)}")
+        self.stream.flush()
+
+    def close(self) -> None:
+        if self.shown:
+            self.stream.write("\r\033[K")  # erase the bar
+            self.stream.flush()
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds >= 0, got {text!r}")
+    return value
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="tensorckpt", description="Inspect tensorckpt checkpoints.")
+    parser = argparse.ArgumentParser(prog="tensorckpt", description="Inspect, verify and clean tensorckpt checkpoints.")
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("inspect", help="print the tree, format version and completeness of a checkpoint")
     p.add_argument("path")
     p.add_argument("--json", action="store_true", help="print the root index as JSON")
+    p = sub.add_parser("verify", help="check all metadata and read every chunk back (exit 1 if incomplete or corrupt)")
+    p.add_argument("path")
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p = sub.add_parser("clean", help="remove leftovers of interrupted saves (never a committed checkpoint)")
+    p.add_argument("path")
+    p.add_argument("--older-than", type=_seconds, default=DEFAULT_OLDER_THAN, metavar="SECONDS",
+                   help=f"remove only leftovers unchanged for this long (default {DEFAULT_OLDER_THAN:g}); "
+                   "it must exceed the longest a save can take")
+    p.add_argument("--dry-run", action="store_true", help="list what would be removed, remove nothing")
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
     args = parser.parse_args(argv)
     try:
+        if args.command == "verify":
+            return verify(args.path, args.json, args.quiet)
+        if args.command == "clean":
+            return clean(args.path, args.older_than, args.dry_run, args.json)
         return inspect(args.path, args.json)
     except TensorckptError as e:
         print(f"tensorckpt: error: {e}", file=sys.stderr)

@@ -5,6 +5,7 @@ are kept with the checkpoint. One spawn of 2 workers runs every case."""
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 
@@ -82,6 +83,24 @@ def _worker(rank: int, world: int, base: str) -> dict:
         out["c3"] = "raised", type(e).__name__
     # 4. the group is not wedged: the next save works
     tensorckpt.async_save(state(4), f"{base}/c4").wait()
+
+    # 5. a straggler: rank 1's storage is slow to sync (a wrapped sync)
+    import time
+
+    from tensorckpt.storage import kv
+
+    inner = kv.sync_tree
+
+    def slow(path):
+        if rank == 1:
+            time.sleep(0.5)
+        return inner(path)
+
+    kv.sync_tree = slow
+    try:
+        tensorckpt.save(state(5), f"{base}/straggler")
+    finally:
+        kv.sync_tree = inner
     return out
 
 
@@ -131,3 +150,18 @@ def test_every_rank_statistics_are_kept(results):
     stats = tensorckpt.open(base / "c2").metadata.save_stats
     assert all(len(v) == 2 for v in stats["seconds"].values())
     assert sum(stats["bytes_written"]) == 6 * 5 * 4 + 3 * 4 + 4 * 4 * 4
+
+
+def test_inspect_shows_the_straggler(results, capsys):
+    from tensorckpt.cli import main
+
+    base, _ = results
+    assert main(["inspect", str(base / "straggler")]) == 0
+    text = capsys.readouterr().out
+    assert "save phases over 2 rank(s)" in text
+    sync = next(line for line in text.splitlines() if line.strip().startswith("sync"))
+    assert sync.split()[-1] == "1" and float(sync.split()[3]) >= 0.5  # max >= the delay, slowest rank 1
+    assert main(["inspect", "--json", str(base / "straggler")]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["save_phases"]["sync"]["slowest_rank"] == 1
+    assert doc["save_phases"]["sync"]["max"] >= 0.5 > doc["save_phases"]["sync"]["min"]

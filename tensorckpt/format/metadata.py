@@ -26,6 +26,7 @@ KNOWN_EXTENSIONS: frozenset[str] = frozenset()  # extensions this reader impleme
 MAX_INT = 2**64 - 1
 MIN_INT = -(2**63)
 MAX_ELEMENTS = 2**62  # no real tensor is larger; rejects hostile shapes early
+MAX_DEPTH = 256  # deepest JSON nesting, and most components of a flat key, a reader accepts (spec 12)
 
 
 @dataclass(frozen=True)
@@ -96,12 +97,16 @@ def dumps(doc: object) -> bytes:
 # ----------------------------------------------------------------- values
 
 
-def check_value(value: object, key: str) -> object:
+def check_value(value: object, key: str, _level: int = 1) -> object:
     """Validate a non-tensor leaf and return its JSON form (tuples -> lists).
 
     Raises :class:`UnsupportedValueError` naming ``key`` for anything that is not
-    None, bool, int, finite float, str, or lists/dicts of these.
+    None, bool, int, finite float, str, or lists/dicts of these, or that is
+    nested deeper than a reader accepts (the root document wraps a value in
+    four more levels).
     """
+    if _level > MAX_DEPTH - 4:
+        raise UnsupportedValueError(f"{key[:80]!r}: nested more than {MAX_DEPTH - 4} levels deep; readers refuse that")
     if isinstance(value, str):
         _check_text(value, key)
         return value
@@ -119,14 +124,14 @@ def check_value(value: object, key: str) -> object:
             )
         return float(value)
     if isinstance(value, (list, tuple)):
-        return [check_value(v, f"{key}[{i}]") for i, v in enumerate(value)]
+        return [check_value(v, f"{key}[{i}]", _level + 1) for i, v in enumerate(value)]
     if isinstance(value, dict):
         out = {}
         for k, v in value.items():
             if not isinstance(k, str):
                 raise UnsupportedValueError(f"{key!r}: dict key {k!r} is not a str (JSON needs str keys)")
             _check_text(k, key)
-            out[k] = check_value(v, f"{key}.{k}")
+            out[k] = check_value(v, f"{key}.{k}", _level + 1)
         return out
     raise UnsupportedValueError(
         f"{key!r}: a {type(value).__module__}.{type(value).__qualname__} is neither a tensor nor "
@@ -170,7 +175,7 @@ def parse_root(doc: object, where: str) -> RootMetadata:
 def _major(version: object, where: str) -> int:
     if not isinstance(version, str):
         raise CorruptCheckpointError(f"{where}: format_version must be a string like '1.0', got {version!r}")
-    m = re.fullmatch(r"(0|[1-9][0-9]{0,5})\.(0|[1-9][0-9]{0,5})", version)
+    m = re.fullmatch(r"(0|[1-9][0-9]{0,4})\.(0|[1-9][0-9]{0,4})", version)
     if m is None:
         raise CorruptCheckpointError(f"{where}: malformed format_version {version!r}")
     return int(m.group(1))
@@ -196,12 +201,7 @@ def _parse_v1(meta: dict, where: str) -> RootMetadata:
         _check_key(key, where)
         if key in tensors:
             raise CorruptCheckpointError(f"{where}: key {key!r} is both a tensor and a value")
-    leaves = tensors.keys() | values.keys()
-    for key in leaves:
-        parts = key.split("/")
-        for i in range(1, len(parts)):
-            if "/".join(parts[:i]) in leaves:
-                raise CorruptCheckpointError(f"{where}: key {'/'.join(parts[:i])!r} is a leaf but also a prefix of {key!r}")
+    _check_tree([*tensors, *values], where)
     user = _obj(meta.get("user_metadata", {}), f"{where}: user_metadata")
     world = meta.get("world_size", 1)
     if not isinstance(world, int) or isinstance(world, bool) or world < 1:
@@ -236,8 +236,8 @@ def _save_stats(doc: object, world: int, where: str) -> dict | None:
             isinstance(x, (int, float)) and not isinstance(x, bool) and 0 <= x < 1e9 for x in times
         )):
             raise CorruptCheckpointError(f"{what}.seconds[{phase!r}] must list {world} non-negative numbers, one per rank")
-    written = doc.get("bytes_written", [0] * world)
-    if not (isinstance(written, list) and len(written) == world and all(
+    written = doc.get("bytes_written", [])  # not [0] * world: world_size is untrusted too
+    if "bytes_written" in doc and not (isinstance(written, list) and len(written) == world and all(
         isinstance(x, int) and not isinstance(x, bool) and 0 <= x <= MAX_INT for x in written
     )):
         raise CorruptCheckpointError(f"{what}.bytes_written must list {world} non-negative integers, one per rank")
@@ -245,10 +245,27 @@ def _save_stats(doc: object, world: int, where: str) -> dict | None:
 
 
 def _check_key(key: str, where: str) -> None:
+    if key.count("/") >= MAX_DEPTH:
+        raise CorruptCheckpointError(f"{where}: key {key[:80]!r}... has more than {MAX_DEPTH} components")
     try:
         split_flat_key(key)
     except CorruptCheckpointError as e:
         raise CorruptCheckpointError(f"{where}: {e}") from None
+
+
+def _check_tree(keys: list[str], where: str) -> None:
+    """The flat keys form a tree: no leaf is also a prefix of another (spec
+    section 4). A trie of components keeps this linear in the keys' length."""
+    root: dict = {}
+    for key in keys:
+        node, parts = root, key.split("/")
+        for i, part in enumerate(parts):
+            if None in node:  # None marks a leaf; components are strings
+                raise CorruptCheckpointError(f"{where}: key {'/'.join(parts[:i])!r} is a leaf but also a prefix of {key!r}")
+            node = node.setdefault(part, {})
+        if node:
+            raise CorruptCheckpointError(f"{where}: key {key!r} is a leaf but also a prefix of another key")
+        node[None] = True
 
 
 def parse_tensor_entry(entry: object, where: str) -> TensorEntry:
@@ -275,7 +292,7 @@ def _shape(v: object, where: str, allow_zero: bool) -> tuple[int, ...]:
     if not isinstance(v, list) or len(v) > 32 or not all(
         isinstance(x, int) and not isinstance(x, bool) and lo <= x <= MAX_ELEMENTS for x in v
     ):
-        raise CorruptCheckpointError(f"{where}: expected a list of at most 32 integers >= {lo}, got {v!r}")
+        raise CorruptCheckpointError(f"{where}: expected a list of at most 32 integers >= {lo}, got {repr(v)[:200]}")
     return tuple(v)
 
 
@@ -286,11 +303,29 @@ def _obj(v: object, where: str) -> dict:
 
 
 def loads(data: bytes, where: str) -> object:
-    """Decode untrusted JSON bytes; raises CorruptCheckpointError naming ``where``."""
+    """Decode untrusted JSON bytes, nested at most ``MAX_DEPTH`` deep (so
+    whatever later walks the document recursively cannot run out of stack);
+    raises CorruptCheckpointError naming ``where``."""
     try:
-        return json.loads(data.decode("utf-8"), parse_constant=_reject_constant, parse_float=_finite_float)
+        doc = json.loads(data.decode("utf-8"), parse_constant=_reject_constant, parse_float=_finite_float)
     except (UnicodeDecodeError, ValueError, RecursionError) as e:
         raise CorruptCheckpointError(f"{where}: not valid UTF-8 JSON ({e})") from None
+    if _depth(doc) > MAX_DEPTH:
+        raise CorruptCheckpointError(f"{where}: JSON nested more than {MAX_DEPTH} levels deep")
+    return doc
+
+
+def _depth(doc: object) -> int:
+    """Nesting depth of a JSON document, without recursion."""
+    deepest, stack = 0, [(doc, 1)]
+    while stack:
+        node, depth = stack.pop()
+        deepest = max(deepest, depth)
+        if isinstance(node, dict):
+            stack.extend((v, depth + 1) for v in node.values())
+        elif isinstance(node, list):
+            stack.extend((v, depth + 1) for v in node)
+    return deepest
 
 
 def _reject_constant(name: str):

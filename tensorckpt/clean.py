@@ -1,0 +1,134 @@
+"""``tensorckpt.clean(path)``: remove what interrupted saves to ``path`` left
+behind, by the rule of spec section 10.5:
+
+- a committed checkpoint is never touched, so its readers are never raced;
+- a leftover is removed only once nothing under it has changed for
+  ``older_than`` seconds, so a save still writing it is never cut short
+  (a store that keeps no modification times gives no age: its leftovers go
+  only with ``older_than=0``);
+- a leftover that is a complete checkpoint is kept while the target is not
+  committed: it is then the only copy of that checkpoint;
+- a complete leftover is uncommitted (its root ``zarr.json`` deleted) before
+  the rest of it goes, as in section 10.3.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass, field
+
+from .storage import commit, kv, location
+
+DEFAULT_OLDER_THAN = 3600.0  # seconds
+
+
+@dataclass(frozen=True)
+class Leftover:
+    path: str
+    age: float | None  # seconds since anything under it changed; None: the store keeps no times
+    complete: bool  # holds its own root zarr.json: a whole checkpoint
+    removed: bool  # removed (or, with dry_run, would be)
+    reason: str
+
+
+@dataclass
+class CleanReport:
+    path: str
+    committed: bool  # a committed checkpoint is at ``path`` (left alone)
+    dry_run: bool
+    leftovers: list[Leftover] = field(default_factory=list)
+
+    def to_json(self) -> dict:
+        return {
+            "path": self.path, "committed": self.committed, "dry_run": self.dry_run,
+            "leftovers": [vars(x) for x in self.leftovers],
+        }
+
+
+def clean(path, *, older_than: float = DEFAULT_OLDER_THAN, dry_run: bool = False) -> CleanReport:
+    """Find the leftovers of interrupted saves to ``path`` and remove those the
+    rule allows (see the module docstring); with ``dry_run`` remove nothing."""
+    if not older_than >= 0:
+        raise ValueError(f"older_than must be a number of seconds >= 0, got {older_than!r}")
+    target = location.parse(path)
+    committed = _has_root(target)
+    report = CleanReport(target.url, committed, dry_run)
+    staging = commit.leftovers(target)
+    ages = {s: _age(s) for s in staging}
+    for s in staging:
+        complete = _has_root(s)
+        if complete and not committed:
+            keep = "a complete checkpoint, and the only one: move it into place to recover it (spec 10.5)"
+        else:
+            keep = _too_young(ages[s], older_than)
+        gone = "the old checkpoint of a finished replace" if complete else "the data of an interrupted save"
+        _settle(report, s, ages[s], complete, keep, gone)
+    if not committed and kv.exists(target):
+        age = _age(target)
+        if target.is_local:
+            keep = "not left by a save (local saves write only under staging names): delete it yourself if unwanted"
+        elif any(_too_young(a, older_than) for a in ages.values()):
+            keep = "a save may be replacing it: one of its staging locations is recent or of unknown age"
+        else:
+            keep = _too_young(age, older_than)
+        _settle(report, target, age, False, keep, "an object-store save interrupted before its commit", target=True)
+    return report
+
+
+def _too_young(age: float | None, older_than: float) -> str | None:
+    """Why a leftover of this age must stay (None: it may go)."""
+    if age is None and older_than > 0:
+        return "its age is unknown (the store keeps no times); pass older_than=0 once no save to this path runs"
+    if age is not None and age < older_than:
+        return f"changed {age:.0f} s ago, less than {older_than:g} s: a save may still be writing it"
+    return None
+
+
+def _settle(report: CleanReport, loc: location.Location, age: float | None, complete: bool, keep: str | None,
+            gone: str, target: bool = False) -> None:
+    """Remove ``loc`` unless there is a reason to ``keep`` it, and report it."""
+    if keep is None and not report.dry_run:
+        if target and _has_root(loc):
+            keep = "committed while clean ran"
+        else:
+            _remove(loc, complete)
+    report.leftovers.append(Leftover(loc.url, age, complete, keep is None, keep or gone))
+
+
+def _has_root(loc: location.Location) -> bool:
+    """Whether ``loc`` holds a root zarr.json (spec 10.4), without reading it."""
+    if loc.is_local:
+        return os.path.lexists(os.path.join(loc.path, commit.ROOT_KEY))
+    return kv.read(loc, commit.ROOT_KEY) is not None
+
+
+def _age(loc: location.Location) -> float | None:
+    """Seconds since anything under ``loc`` last changed (modified, created,
+    renamed: the later of mtime and ctime), or None where unknown."""
+    if not loc.is_local:
+        return None
+    newest = 0.0
+    for folder, dirs, files in os.walk(loc.path):
+        for name in [".", *dirs, *files]:
+            try:
+                st = os.lstat(os.path.join(folder, name))
+            except FileNotFoundError:
+                continue
+            newest = max(newest, st.st_mtime, st.st_ctime)
+    if not newest:
+        try:  # a plain file, not a directory
+            st = os.lstat(loc.path)
+            newest = max(st.st_mtime, st.st_ctime)
+        except FileNotFoundError:
+            return None
+    return max(0.0, time.time() - newest)
+
+
+def _remove(loc: location.Location, complete: bool) -> None:
+    if complete:
+        kv.delete(loc, commit.ROOT_KEY)  # no longer a checkpoint before any of its data goes
+    if loc.is_local and (os.path.islink(loc.path) or not os.path.isdir(loc.path)):
+        os.remove(loc.path)  # a file or a link: only the name goes, never what a link points to
+    else:
+        kv.delete_all(loc)

@@ -1,0 +1,231 @@
+"""``tensorckpt.verify(path)``: check a whole checkpoint, as a reader should
+before it trusts one from elsewhere (spec section 12).
+
+- The root metadata (spec 9.5), every array ``zarr.json`` against its index
+  entry (section 7), and the intermediate groups (section 4).
+- Every chunk of every tensor: it is stored, it is a regular file (local
+  stores), it is at least as large as its inner chunks and index need, and it
+  decodes with correct CRC-32C checksums (TensorStore checks those on every
+  read).
+
+Memory stays bounded: a chunk is read in blocks of at most ``block_bytes``
+cut along its inner chunks, a few blocks at a time. The work follows what is
+stored, not what the index claims: stored chunks are found by listing, and a
+chunk too small for what it should hold is reported without being read.
+Problems are collected, not raised; only a missing checkpoint, an unsupported
+version or an unreadable location raise.
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+import tensorstore as ts
+
+from .checkpoint import Checkpoint, chunk_error, read_object
+from .errors import CorruptCheckpointError, IncompleteCheckpointError
+from .format import dtypes
+from .format.metadata import TensorEntry, loads
+from .storage import location
+
+BLOCK_BYTES = 16 << 20  # largest region read at once (an inner chunk larger than this is read alone)
+IN_FLIGHT = 4  # blocks read concurrently
+SHOWN_MISSING = 5  # missing chunks named in a report; the rest are counted
+
+Progress = Callable[[int, int], None]  # (bytes checked so far, bytes in all tensors)
+
+
+@dataclass(frozen=True)
+class Problem:
+    kind: str  # "incomplete" (never committed) or "corrupt"
+    where: str  # the file or stored object at fault
+    message: str
+
+
+@dataclass
+class VerifyReport:
+    path: str
+    tensors: int = 0  # tensors whose metadata and chunks were checked
+    chunks: int = 0  # stored chunks checked
+    bytes: int = 0  # bytes of tensor data read back intact
+    problems: list[Problem] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+    @property
+    def status(self) -> str:
+        if any(p.kind == "incomplete" for p in self.problems):
+            return "incomplete"
+        return "corrupt" if self.problems else "ok"
+
+    def to_json(self) -> dict:
+        return {
+            "path": self.path, "ok": self.ok, "status": self.status,
+            "tensors": self.tensors, "chunks": self.chunks, "bytes": self.bytes,
+            "problems": [{"kind": p.kind, "where": p.where, "message": p.message} for p in self.problems],
+        }
+
+
+def verify(path, *, progress: Progress | None = None, block_bytes: int = BLOCK_BYTES) -> VerifyReport:
+    """Check the checkpoint at ``path`` completely; see the module docstring.
+    ``progress(done, total)`` is called as tensor bytes are checked."""
+    loc = location.parse(path)
+    report = VerifyReport(loc.url)
+    try:
+        ckpt = Checkpoint(loc)
+    except IncompleteCheckpointError as e:
+        report.problems.append(Problem("incomplete", loc.url, str(e)))
+        return report
+    except CorruptCheckpointError as e:
+        report.problems.append(Problem("corrupt", f"{loc.url}/zarr.json", str(e)))
+        return report
+    _check_groups(ckpt, report)
+    total = sum(e.nbytes for e in ckpt.index.tensors.values())
+
+    def tick() -> None:
+        if progress is not None:
+            progress(report.bytes, total)
+
+    for key in sorted(ckpt.index.tensors):
+        _check_tensor(ckpt, key, report, tick, block_bytes)
+    return report
+
+
+def _check_groups(ckpt: Checkpoint, report: VerifyReport) -> None:
+    """Every proper prefix of a tensor's key must be a Zarr group (spec section 4)."""
+    prefixes = {k.rsplit("/", i)[0] for k in ckpt.index.tensors for i in range(1, k.count("/") + 1)}
+    for prefix in sorted(prefixes):
+        where = f"{ckpt.path}/{prefix}/zarr.json"
+        try:
+            data = read_object(ckpt.location, f"{prefix}/zarr.json")
+            if data is None:
+                raise CorruptCheckpointError(f"{where}: missing; every prefix of a tensor's key must be a group")
+            doc = loads(data, where)
+            if not isinstance(doc, dict) or doc.get("zarr_format") != 3 or doc.get("node_type") != "group":
+                raise CorruptCheckpointError(f"{where}: not a Zarr v3 group")
+        except CorruptCheckpointError as e:
+            report.problems.append(Problem("corrupt", where, str(e)))
+
+
+def _check_tensor(ckpt: Checkpoint, key: str, report: VerifyReport, tick, block_bytes: int) -> None:
+    e = ckpt.index.tensors[key]
+    where = f"{ckpt.path}/{key}"
+    try:
+        arr = ckpt.array(key)
+    except CorruptCheckpointError as err:
+        report.problems.append(Problem("corrupt", f"{where}/zarr.json", str(err)))
+        return  # its chunks cannot be interpreted
+    report.tensors += 1
+    if math.prod(e.shape) == 0:
+        return  # no chunks
+    stored = ckpt.chunk_objects(key)
+    grid = [-(-s // c) for s, c in zip(e.shape, e.chunk_shape)]
+    _report_missing(key, where, grid, stored, report)
+    d = dtypes.BY_TORCH[e.dtype]
+    failed: set[tuple[int, ...]] = set()
+    pending: collections.deque = collections.deque()
+
+    def settle(job) -> None:
+        pos, nbytes, future = job
+        try:
+            future.result()
+        except ValueError as err:
+            if pos not in failed:
+                failed.add(pos)
+                report.problems.append(Problem("corrupt", _object(where, pos), chunk_error(ckpt.path, key, str(err))))
+            return
+        report.bytes += nbytes
+        tick()
+
+    for pos in sorted(stored):
+        report.chunks += 1
+        size, need = stored[pos], _least_chunk_bytes(e, pos, d.itemsize)
+        if size is None or size < need:  # not read: a FIFO would block, a link leads outside
+            what = "is not a regular file" if size is None else (
+                f"is {size} bytes, but its inner chunks and index need at least {need}: it is truncated")
+            obj = _object(where, pos)
+            report.problems.append(Problem("corrupt", obj, f"{obj}: tensor {key!r}, chunk {pos}, {what}"))
+            continue
+        lo = tuple(i * c for i, c in zip(pos, e.chunk_shape))
+        hi = tuple(min(a + c, s) for a, c, s in zip(lo, e.chunk_shape, e.shape))
+        for blo, bhi in _blocks(lo, hi, e.inner_chunk_shape, d.itemsize, block_bytes):
+            out = np.empty(tuple(h - l for l, h in zip(blo, bhi)), dtype=d.numpy)
+            src = arr[tuple(slice(l, h) for l, h in zip(blo, bhi))] if blo else arr
+            pending.append((pos, out.nbytes, ts.array(out, copy=False, write=True).write(src)))
+            if len(pending) >= IN_FLIGHT:
+                settle(pending.popleft())
+    while pending:
+        settle(pending.popleft())
+
+
+def _report_missing(key: str, where: str, grid: list[int], stored: dict, report: VerifyReport) -> None:
+    """Name the first few grid positions without a stored chunk and count the
+    rest. The loop stops after ``len(stored) + SHOWN_MISSING`` positions, so a
+    forged grid of 2^60 chunks costs no more than the real ones."""
+    count = math.prod(grid) - len(stored)
+    if count <= 0:
+        return
+    shown = []
+    for pos in _positions(grid):
+        if pos not in stored:
+            shown.append(pos)
+            if len(shown) == SHOWN_MISSING:
+                break
+    names = ", ".join(_object(where, p).removeprefix(where + "/") for p in shown)
+    more = f" and {count - len(shown)} more" if count > len(shown) else ""
+    report.problems.append(Problem(
+        "corrupt", _object(where, shown[0]),
+        f"{where}: tensor {key!r}: {count} of {math.prod(grid)} chunks are missing: {names}{more}",
+    ))
+
+
+def _positions(grid: list[int]):
+    """Grid positions in C order, lazily: ``itertools.product`` would first
+    build every ``range`` as a tuple, 2^31 entries for a forged grid."""
+    pos = [0] * len(grid)
+    while True:
+        yield tuple(pos)
+        d = len(grid) - 1
+        while d >= 0 and pos[d] == grid[d] - 1:
+            pos[d] = 0
+            d -= 1
+        if d < 0:
+            return
+        pos[d] += 1
+
+
+def _object(where: str, pos: tuple[int, ...]) -> str:
+    return f"{where}/c" + "".join(f"/{i}" for i in pos)
+
+
+def _least_chunk_bytes(e: TensorEntry, pos: tuple[int, ...], itemsize: int) -> int:
+    """The smallest a chunk object can be (spec section 7): every inner chunk
+    that intersects the array at full size plus its CRC-32C, then the index
+    (16 bytes per inner chunk, then a CRC-32C)."""
+    per_chunk = math.prod(c // i for c, i in zip(e.chunk_shape, e.inner_chunk_shape))
+    touching = 1
+    for p, c, i, s in zip(pos, e.chunk_shape, e.inner_chunk_shape, e.shape):
+        touching *= -(-(min(p * c + c, s) - p * c) // i)
+    return touching * (math.prod(e.inner_chunk_shape) * itemsize + 4) + 16 * per_chunk + 4
+
+
+def _blocks(lo: tuple[int, ...], hi: tuple[int, ...], inner: tuple[int, ...], itemsize: int, limit: int):
+    """Split the box ``[lo, hi)`` (one chunk, within the array) into blocks
+    along inner-chunk boundaries, each at most ``limit`` bytes unless a single
+    inner chunk is larger. Leading dimensions are cut first."""
+    block = [h - l for l, h in zip(lo, hi)]
+    for d in range(len(block)):
+        if math.prod(block) * itemsize <= limit:
+            break
+        rest = math.prod(block) * itemsize // block[d]  # bytes of one index along d
+        block[d] = min(block[d], max(inner[d], limit // rest // inner[d] * inner[d]))
+    starts = [range(l, h, b) for l, h, b in zip(lo, hi, block)]
+    for start in itertools.product(*starts):
+        yield start, tuple(min(s + b, h) for s, b, h in zip(start, block, hi))
