@@ -114,12 +114,74 @@ def golden_save_stats_1_1():
     return state, {}, {"golden": "save_stats_1_1"}
 
 
+def training_objects() -> dict:
+    """The training state of a tiny 1-process run, as objects: a model, AdamW
+    after 2 steps (moments, steps, param groups), a MultiStepLR (its
+    ``milestones`` Counter is stored as [key, value] pairs), a
+    ResumableSampler 4 samples into epoch 0, and the random generators.
+    Everything is arange-based or seeded, so the content is deterministic.
+    tests/test_resume_e2e.py checks that saving these objects writes exactly
+    the golden, and that the golden loads back into such objects."""
+    import random
+
+    torch.manual_seed(0)
+    np.random.seed(0)
+    random.seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.Tanh(), torch.nn.Linear(2, 2))
+    with torch.no_grad():
+        for i, p in enumerate(model.parameters()):
+            p.copy_((torch.arange(p.numel(), dtype=torch.float32).reshape(p.shape) - 2) * 0.25 + i * 0.125)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.5, weight_decay=0.25)
+    sched = torch.optim.lr_scheduler.MultiStepLR(opt, milestones=[2, 4], gamma=0.5)
+    x = torch.arange(30, dtype=torch.float32).reshape(10, 3) / 8 - 1
+    y = torch.arange(20, dtype=torch.float32).reshape(10, 2) / 4
+    sampler = tensorckpt.ResumableSampler(10, seed=3, rank=0, world=1)
+    loader = torch.utils.data.DataLoader(
+        torch.utils.data.TensorDataset(x, y), batch_size=2, sampler=sampler, generator=torch.Generator()
+    )
+    batches = sampler.track(loader)
+    for _ in range(2):
+        xb, yb = next(batches)
+        xb = xb * (torch.rand(1, 3) > 0.25)  # the loop draws from the generators it saves
+        np.random.random(), random.random()
+        ((model(xb) - yb) ** 2).mean().backward()
+        opt.step()
+        sched.step()
+        opt.zero_grad()
+    return {"model": model, "optim": opt, "sched": sched, "data": sampler, "rng": tensorckpt.rng_state(), "step": 2}
+
+
+def plain_training_state(objects: dict) -> dict:
+    """What tensorckpt's adapters store for ``objects`` in a 1-process save,
+    as plain tensors and JSON values (expected.json cannot describe objects)."""
+    from tensorckpt.adapters import registry
+    from tensorckpt.adapters.sharded import ShardedTensor
+
+    def unwrap(node):
+        if isinstance(node, dict):
+            return {k: unwrap(v) for k, v in node.items()}
+        if isinstance(node, ShardedTensor):  # rng rows: at world 1 the box is the whole [1, n] tensor
+            assert node.global_offset == (0,) * node.local.dim() and tuple(node.local.shape) == node.global_shape
+            return node.local
+        return node
+
+    return unwrap(registry.for_save(objects, registry.Context(objects, 0, 1)))
+
+
+def golden_training_state():
+    """Format 1.1: the keys of training-state.md and rng-and-data.md (model,
+    optimizer, scheduler, sampler, rng) for a 1-process run (see
+    :func:`training_objects`)."""
+    return plain_training_state(training_objects()), {}, {"golden": "training_state"}
+
+
 GOLDENS = {
     "basic": golden_basic,
     "dtypes": golden_dtypes,
     "escaped_keys": golden_escaped_keys,
     "sharded": golden_sharded,
     "save_stats_1_1": golden_save_stats_1_1,
+    "training_state": golden_training_state,
 }
 
 

@@ -149,7 +149,8 @@ def _json_equal(a, b) -> bool:
 
 
 def bits(t: torch.Tensor) -> torch.Tensor:
-    return t.detach().contiguous().reshape(-1).view(torch.uint8)
+    # clone(contiguous_format): a 1-element view with a non-unit stride stays "contiguous" but cannot be viewed as bytes
+    return t.detach().reshape(-1).clone(memory_format=torch.contiguous_format).view(torch.uint8)
 
 
 def assert_bit_equal(actual: torch.Tensor, expected: torch.Tensor, where: str = "") -> None:
