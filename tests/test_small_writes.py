@@ -1,0 +1,75 @@
+"""Small stored objects are encoded by tensorckpt itself (storage/arrays.py)
+and must be byte-identical to what TensorStore writes for the same data."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+import torch
+
+from tensorckpt.format import dtypes
+from tensorckpt.format.metadata import TensorEntry
+from tensorckpt.layout import grid
+from tensorckpt.layout.boxes import Box
+from tensorckpt.storage import arrays, kv, location
+
+CASES = [
+    ((), torch.float64),
+    ((1,), torch.float32),
+    ((7,), torch.bfloat16),
+    ((100, 3), torch.float16),  # single-writer chunk rounds 100 rows up to 128: zero padding
+    ((5, 4), torch.complex64),
+    ((9,), torch.bool),
+    ((3, 2, 2), torch.int64),
+    ((6,), torch.float8_e4m3fn),
+    ((4, 4), torch.uint8),
+]
+
+
+def _data(shape, dtype):
+    g = torch.Generator().manual_seed(1)
+    if dtype == torch.bool:
+        return torch.rand(shape, generator=g) > 0.5
+    if dtype.is_floating_point or dtype.is_complex:
+        return torch.randn(shape, generator=g, dtype=torch.float64 if not dtype.is_complex else torch.complex128).to(dtype)
+    return torch.randint(0, 100, shape, generator=g, dtype=dtype)
+
+
+@pytest.mark.parametrize("shape,dtype", CASES, ids=[f"{list(s)}-{d}" for s, d in CASES])
+def test_encoded_object_equals_tensorstore_bytes(tmp_path, shape, dtype):
+    name = dtypes.torch_name(dtype)
+    itemsize = dtypes.BY_TORCH[name].itemsize
+    chunk = grid.single_writer_chunks(shape, itemsize)
+    entry = TensorEntry(name, shape, chunk, grid.inner_chunks(chunk, itemsize))
+    t = _data(shape, dtype)
+    box = Box.full(shape)
+    pos = arrays.whole_chunk(entry, box)
+    assert pos == (0,) * len(shape)
+
+    ref = location.parse(str(tmp_path / "ref"))
+    os.makedirs(ref.path)
+    arr = arrays.open_write(ref, "a", entry).result()
+    (arr[box.slices()] if shape else arr).write(dtypes.to_numpy(t)).result()
+    expected = (tmp_path / "ref" / "a" / arrays.chunk_key(pos)).read_bytes()
+    assert arrays.encode_whole_chunk(entry, dtypes.to_numpy(t)) == expected
+
+
+def test_box_of_one_chunk_in_a_grid(tmp_path):
+    entry = TensorEntry("float32", (10, 6), (4, 6), (4, 6))
+    assert arrays.whole_chunk(entry, Box((4, 0), (4, 6))) == (1, 0)
+    assert arrays.whole_chunk(entry, Box((8, 0), (2, 6))) == (2, 0)  # edge chunk, clipped
+    assert arrays.whole_chunk(entry, Box((4, 0), (2, 6))) is None  # part of a chunk
+    assert arrays.whole_chunk(entry, Box((0, 0), (8, 6))) is None  # two chunks
+    assert arrays.whole_chunk(TensorEntry("float32", (8, 8), (8, 8), (4, 8)), Box.full((8, 8))) is None  # 2 inner chunks
+    assert arrays.whole_chunk(entry, Box((0, 0), (0, 6))) is None
+
+    data = np.arange(12, dtype=np.float32).reshape(2, 6)
+    loc = location.parse(str(tmp_path / "ref"))
+    os.makedirs(loc.path)
+    arr = arrays.open_write(loc, "a", entry).result()
+    arr[8:10, :].write(data).result()
+    assert arrays.encode_whole_chunk(entry, data) == (tmp_path / "ref" / "a" / "c" / "2" / "0").read_bytes()
+    kv.write(loc, "b/c/2/0", arrays.encode_whole_chunk(entry, data))
+    assert (tmp_path / "ref" / "b" / "c" / "2" / "0").read_bytes() == (tmp_path / "ref" / "a" / "c" / "2" / "0").read_bytes()
