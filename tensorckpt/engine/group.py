@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import builtins
 
-
+import torch
 import torch.distributed as dist
 
 from .. import errors
@@ -40,6 +40,36 @@ class Group:
         box = [obj]
         dist.broadcast_object_list(box, src=self._global(0), group=self.pg)
         return box[0]
+
+    def all_to_all(self, data: torch.Tensor, send_sizes: list[int], recv_sizes: list[int]) -> torch.Tensor:
+        """Bytes to every rank and from every rank, in one collective.
+        ``data`` (a 1-D uint8 CPU tensor) holds ``send_sizes[j]`` bytes for
+        rank ``j``, in rank order; the result (on the CPU) holds
+        ``recv_sizes[j]`` bytes from rank ``j``, in rank order. Every rank of
+        the group must call it. Gloo takes the CPU tensors as they are (uneven
+        sizes included); a group without a CPU backend (NCCL) gets copies on
+        the current accelerator."""
+        if not self.distributed:
+            return data[: recv_sizes[0]].clone()
+        device = self._device()
+        out = torch.empty(sum(recv_sizes), dtype=torch.uint8, device=device)
+        dist.all_to_all_single(out, data.to(device), recv_sizes, send_sizes, group=self.pg)
+        return out.cpu()
+
+    def _device(self) -> torch.device:
+        """Where this group's collectives take tensors, as for torch's object
+        collectives: the CPU when the group has a CPU backend (gloo, MPI, or
+        a ``cpu:`` pair in a multi-backend group), else the current accelerator."""
+        backend = str(dist.get_backend(self.pg))
+        if backend in ("gloo", "mpi") or "cpu:" in backend:
+            return torch.device("cpu")
+        kind = torch.accelerator.current_accelerator()
+        if kind is None:
+            raise errors.TensorckptError(
+                f"process group backend {backend!r} takes no CPU tensors and no accelerator is present; "
+                "save over a gloo group (process_group=...)"
+            )
+        return torch.device(kind.type, getattr(torch, kind.type).current_device())
 
     def all_gather(self, obj) -> list:
         if not self.distributed:

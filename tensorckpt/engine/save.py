@@ -5,15 +5,19 @@
     rank 0       global plan (chunk grids, one writer per stored object),
                  commit.begin (exists? where to write)
     broadcast    plan + commit decision, or an error              (collective 2)
-    every rank   write its boxes and its arrays' zarr.json, concurrently; sync
+    all-to-all   parts of boxes that chunks of other ranks need   (only if the
+                 plan moves any, for irregular splits; see "exchange" below)
+    every rank   write its boxes (or chunks) and its arrays' zarr.json,
+                 concurrently; sync
     gather       success or error -> rank 0                       (collective 3)
     rank 0       commit (root zarr.json last), or abort
     broadcast    outcome                                          (collective 4)
 
-The number of collectives is constant, whatever the number of tensors. A
-save whose tensor layout (keys, shapes, dtypes, boxes) is the same on every
-rank as in the previous successful save over the same group reuses that
-save's plan: ranks send only their values, and rank 0 skips planning.
+The number of collectives is constant (4, or 5 with an exchange), whatever
+the number of tensors. A save whose tensor layout (keys, shapes, dtypes,
+boxes) is the same on every rank as in the previous successful save over the
+same group reuses that save's plan: ranks send only their values, and rank 0
+skips planning.
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ from ..errors import TensorckptError, UnsupportedValueError
 from ..format import dtypes
 from ..format.metadata import RootMetadata, check_value, dumps, root_group_json
 from ..layout import grid
+from ..layout.boxes import Box
 from ..layout.plan import LocalItem, LocalPlan, SavePlan, build_save_plan, merge_values, plan_bytes
 from ..storage import arrays, commit, kv, location
 from .group import Group, capture, reraise
@@ -59,7 +64,8 @@ class SaveStats:
 
     ``seconds`` maps each phase to wall time on this rank: ``plan`` (local
     plan, gather, global plan, broadcast), ``stage`` (copying tensors to host
-    memory: device-to-host, or into the reused buffers of an async save),
+    memory: device-to-host, or into the reused buffers of an async save; and,
+    for irregular splits, moving parts of chunks to their writers),
     ``write`` (encode, checksum and write; TensorStore does the three in one
     pipeline), ``sync`` (making this rank's writes durable) and ``commit``
     (waiting for every rank, then the commit). ``bytes_written`` and
@@ -135,8 +141,11 @@ def run(state: Mapping, loc: location.Location, g: Group, overwrite: bool, optio
     stats.bytes_written = plan_bytes(plan, g.rank)
     t = stats._phase("plan", t0)
 
+    received, err = _exchange(state, plan, g)
+    stats._phase("stage", t)
     try:
-        _, err = capture(_write_local, state, plan, c.write_to, g.rank, stats)
+        if err is None:
+            _, err = capture(_write_local, state, plan, c.write_to, g.rank, stats, received)
     except BaseException:  # KeyboardInterrupt mid-write: leave nothing behind
         _forget(cache_key)
         commit.abort(c)
@@ -235,10 +244,92 @@ def _decide(gathered: list, loc: location.Location, overwrite: bool, options: Ma
     return plan, c, meta, hit
 
 
-def _write_local(state: Mapping, plan: SavePlan, loc: location.Location, rank: int, stats: SaveStats) -> None:
-    """Write this rank's boxes and metadata objects, all concurrently, then
-    sync. Whatever happens, every write issued is finished before returning,
-    so an abort that follows cannot race a write still in flight."""
+# -------------------------------------------------------------- exchange
+#
+# Where a tensor's chunk grid does not follow its boxes (irregular splits, see
+# tensorckpt.layout.regrid), the writer of a chunk first receives the parts of
+# it other ranks hold. All pieces of all tensors move in one all-to-all, in
+# the plan's order, through host memory; a plan moving no piece (even and
+# torch.chunk-style splits) has no exchange at all, on every rank alike.
+
+
+def _exchange(state: Mapping, plan: SavePlan, g: Group) -> tuple[dict, tuple[str, str] | None]:
+    """Send this rank's pieces and receive the ones it needs: key -> [(box,
+    host tensor)]. A rank failing to gather its pieces still takes part
+    (sending zeros), so that no peer waits for it, and returns the error."""
+    if not plan.moves_pieces:
+        return {}, None
+    pieces = plan.pieces_of(g.rank)
+    sends = sorted((p for p in pieces if p.src == g.rank), key=lambda p: p.dst)  # stable: plan order per peer
+    recvs = sorted((p for p in pieces if p.dst == g.rank), key=lambda p: p.src)
+    send_sizes, recv_sizes = [0] * g.size, [0] * g.size
+    for p in sends:
+        send_sizes[p.dst] += _nbytes(plan, p)
+    for p in recvs:
+        recv_sizes[p.src] += _nbytes(plan, p)
+    data, err = capture(_pack, state, sends)
+    if err is not None:
+        data = torch.zeros(sum(send_sizes), dtype=torch.uint8)
+    got, e = capture(g.all_to_all, data, send_sizes, recv_sizes)
+    if err is not None or e is not None:
+        return {}, err or e
+    received: dict[str, list] = {}
+    at = 0
+    for p in recvs:
+        n = _nbytes(plan, p)
+        dtype = dtypes.torch_dtype(dtypes.BY_TORCH[plan.entries[p.key].dtype])
+        part = got[at : at + n].clone().view(dtype).reshape(p.box.shape)  # clone: aligned for the view
+        received.setdefault(p.key, []).append((p.box, part))
+        at += n
+    return received, None
+
+
+def _nbytes(plan: SavePlan, p) -> int:
+    return p.box.numel * dtypes.BY_TORCH[plan.entries[p.key].dtype].itemsize
+
+
+def _pack(state: Mapping, sends: list) -> torch.Tensor:
+    """The pieces this rank sends, as bytes, in order."""
+    leaves = flatten(state, check_values=False)
+    parts = [torch.empty(0, dtype=torch.uint8)]
+    for p in sends:
+        t, _, held = local_part(p.key, leaves[p.key].value)
+        part = _host(t[p.box.relative_to(held).slices()]).contiguous()
+        parts.append(part.reshape(-1).view(torch.uint8))
+    return torch.cat(parts)
+
+
+def _assemble(region: Box, t: torch.Tensor, held: Box, pieces: list) -> torch.Tensor:
+    """The data of ``region`` (a chunk this rank writes): its own part from
+    ``t`` (its box ``held``, on the host) and the received ``pieces``. The
+    plan's pieces and the own part tile the chunk exactly."""
+    if _inside(region, held):
+        return t[region.relative_to(held).slices()]
+    out = torch.empty(region.shape, dtype=t.dtype)
+    own = region.intersect(held)
+    if own is not None:
+        out[own.relative_to(region).slices()] = t[own.relative_to(held).slices()]
+    for box, part in pieces:
+        if box.intersect(region) is not None:
+            out[box.relative_to(region).slices()] = part
+    return out
+
+
+def _inside(inner: Box, outer: Box) -> bool:
+    return all(o <= i and ie <= oe for i, ie, o, oe in zip(inner.offset, inner.end, outer.offset, outer.end))
+
+
+# ----------------------------------------------------------------- write
+
+
+def _write_local(
+    state: Mapping, plan: SavePlan, loc: location.Location, rank: int, stats: SaveStats, received: dict | None = None
+) -> None:
+    """Write this rank's boxes (or chunks, assembled with the ``received``
+    pieces) and metadata objects, all concurrently, then sync. Whatever
+    happens, every write issued is finished before returning, so an abort
+    that follows cannot race a write still in flight."""
+    received = received or {}
     leaves = flatten(state, check_values=False)
     objects = {f"{k}/zarr.json": arrays.zarr_json(e) for k, e in plan.entries.items() if plan.meta_writers[k] == rank}
     if rank == 0:
@@ -254,9 +345,15 @@ def _write_local(state: Mapping, plan: SavePlan, loc: location.Location, rank: i
     writeback = kv.Writeback(loc.path) if big else contextlib.nullcontext()
     with writeback:  # the disk writes back while TensorStore encodes the rest
         try:
+            host: dict[str, tuple[torch.Tensor, Box]] = {}  # the current key: its chunks share one host copy
             for key, box in mine:
                 t0 = time.perf_counter()
-                t = _host(local_part(key, leaves[key].value)[0])
+                if key not in host:
+                    t, _, held = local_part(key, leaves[key].value)
+                    host = {key: (_host(t), held)}
+                t, held = host[key]
+                if box != held:  # a chunk of a re-gridded tensor
+                    t = _assemble(box, t, held, received.get(key, ()))
                 staging += time.perf_counter() - t0
                 if box.numel:
                     arr = opened[key].result()

@@ -2,9 +2,11 @@
 
 A *box* is the hyper-rectangle ``[offset, offset + shape)`` of a logical
 tensor that one rank holds (when saving) or wants (when loading). Saving turns
-the writers' boxes into one regular chunk grid in which every chunk lies inside
-exactly one writer's box; loading turns a wanted box into the stored pieces it
-overlaps. No I/O, no torch.distributed: everything here is testable alone.
+the writers' boxes into one regular chunk grid, in which every chunk lies inside
+exactly one writer's box when the split allows it (see
+:mod:`tensorckpt.layout.regrid` for irregular splits); loading turns a wanted
+box into the stored pieces it overlaps. No I/O, no torch.distributed:
+everything here is testable alone.
 """
 
 from __future__ import annotations
@@ -58,7 +60,9 @@ def chunk_grid(shape: tuple[int, ...], boxes: list[Box]) -> tuple[int, ...]:
     """The coarsest regular grid whose chunks each lie inside one box: along
     every dimension, the gcd of all box starts (so each box boundary is a chunk
     boundary). Even and ``torch.chunk``-style splits give chunk = box; an
-    irregular split (4, 3, 3) gives a finer grid. Zero-size dimensions get 1."""
+    irregular split (4, 3, 3) gives a finer grid, for which the save planner
+    picks a coarser one instead (:func:`tensorckpt.layout.regrid.choose_grid`).
+    Zero-size dimensions get 1."""
     starts, _ = box_arrays(boxes, len(shape))
     return tiling.chunk_grid(tuple(shape), starts)
 

@@ -1,7 +1,8 @@
 """Chunk-grid math (pure; spec section "Chunking").
 
 A stored tensor has a regular chunk grid whose chunk (a Zarr v3 *shard*, one
-stored object) is the box one writer owns; inside it, the ``sharding_indexed``
+stored object) is written by one writer: usually the box that writer holds
+(irregular splits: :mod:`tensorckpt.layout.regrid`); inside it, the ``sharding_indexed``
 codec splits it into *inner chunks* of about 256 KiB, the unit of partial
 reads, so a reader that needs a slice fetches only the inner chunks it
 overlaps.
@@ -58,7 +59,7 @@ def _smallest_prime_factor(n: int) -> int:
 
 
 def cap_chunks(chunk: tuple[int, ...], itemsize: int, shard_bytes: int = DEFAULT_SHARD_BYTES) -> tuple[int, ...]:
-    """Split a writer-aligned chunk (from :func:`tensorckpt.layout.boxes.chunk_grid`)
-    into divisors of itself until it holds at most ``shard_bytes`` where
-    divisibility allows; chunk boundaries stay on the writers' boundaries."""
+    """Split a chunk (from :func:`tensorckpt.layout.regrid.choose_grid`) into
+    divisors of itself until it holds at most ``shard_bytes`` where
+    divisibility allows; boundaries of the uncapped grid stay chunk boundaries."""
     return inner_chunks(chunk, itemsize, shard_bytes)

@@ -2,11 +2,16 @@
 is stored (tensor entries, chunk grids) and who writes which stored object.
 Frozen data (tensor entries, ints, bytes); testable without processes.
 
-Rules: every distinct non-empty box of a tensor is written once, by one of
-the ranks holding it; a replicated box goes to its least-loaded holder (bytes
+Rules: every distinct non-empty box of a tensor has one writer, one of the
+ranks holding it; a replicated box goes to its least-loaded holder (bytes
 assigned so far, tensors taken in key order, boxes in sorted order), ties to
-the lowest rank. The array's zarr.json is written by the writer of its first
-box (or, for a tensor with nothing to store, by its first holder).
+the lowest rank. Where the chunk grid follows the boxes (even and
+``torch.chunk``-style splits), the writer of a box writes the box. Where it
+does not (irregular splits, see :mod:`tensorckpt.layout.regrid`), the writer
+of a box writes the chunks that box owns, and sends the rest of the box, in
+*pieces*, to the writers of the chunks they fall in; :class:`Regrid` lists
+them. The array's zarr.json is written by the writer of its first box (or,
+for a tensor with nothing to store, by its first holder).
 
 Cost: rank 0 decodes each distinct table of tensors once; then, per tensor,
 a few numpy passes over its holders' boxes (sorting at worst), so planning
@@ -21,18 +26,67 @@ from __future__ import annotations
 import bisect
 import zlib
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
 from ..errors import IncompatibleStateError
 from ..format import dtypes
 from ..format.metadata import TensorEntry
-from . import grid, tiling
-from .boxes import Box
+from . import grid, regrid, tiling
+from .boxes import Box, chunk_box
 from .local import LocalItem, LocalItems, LocalPlan, Spec, decode_table
 
-__all__ = ["LocalItem", "LocalItems", "LocalPlan", "SavePlan", "build_save_plan", "merge_values", "plan_bytes"]
+__all__ = [
+    "LocalItem",
+    "LocalItems",
+    "LocalPlan",
+    "Piece",
+    "Regrid",
+    "SavePlan",
+    "build_save_plan",
+    "merge_values",
+    "plan_bytes",
+]
+
+
+@dataclass(frozen=True)
+class Piece:
+    """Rank ``src`` sends ``box`` (global coordinates) of tensor ``key`` to
+    rank ``dst``, which writes the stored chunk ``chunk`` (clipped to the
+    array) that holds it."""
+
+    key: str
+    chunk: Box
+    src: int
+    dst: int
+    box: Box
+
+    def to_json(self) -> list:
+        return [self.key, self.chunk.to_json(), self.src, self.dst, self.box.to_json()]
+
+
+@dataclass(frozen=True)
+class Regrid:
+    """How a tensor whose chunk grid does not follow its boxes is written,
+    compactly (zlib-compressed little-endian integers, as the plan goes to
+    every rank): ``owners``, int32, the rank writing each chunk of the grid
+    in C order; ``pieces``, int64 rows ``(src, dst, offset..., shape...)``,
+    in chunk order then box order: what rank ``src`` sends to rank ``dst``."""
+
+    owners: bytes
+    pieces: bytes
+
+    @classmethod
+    def pack(cls, owners: np.ndarray, pieces: np.ndarray) -> Regrid:
+        return cls(zlib.compress(owners.astype("<i4").tobytes(), 1), zlib.compress(pieces.astype("<i8").tobytes(), 1))
+
+    def owner_array(self) -> np.ndarray:
+        return np.frombuffer(zlib.decompress(self.owners), "<i4")
+
+    def piece_rows(self, ndim: int) -> np.ndarray:
+        return np.frombuffer(zlib.decompress(self.pieces), "<i8").reshape(-1, 2 + 2 * ndim)
+
 
 
 @dataclass(frozen=True)
@@ -41,7 +95,10 @@ class SavePlan:
     goes to every rank: ``held[i]`` is what rank ``ranks[i]`` holds, and
     ``written`` is a bit matrix (row per tensor in key order, column per
     entry of ``ranks``, ``numpy.packbits`` order) saying whether that rank
-    writes its box of that tensor. :meth:`writes_of` unpacks one rank's part."""
+    is the writer of its box of that tensor. :meth:`writes_of` unpacks one
+    rank's part. ``regrid`` holds the tensors whose chunk grid does not follow
+    their boxes (none in the common case): who writes which chunk and the
+    pieces ranks send each other first."""
 
     entries: dict[str, TensorEntry]
     meta_writers: dict[str, int]  # array key -> rank writing its zarr.json
@@ -49,17 +106,56 @@ class SavePlan:
     ranks: tuple[int, ...] = ()  # ascending
     held: tuple[LocalItems, ...] = ()
     written: bytes = b""
+    regrid: dict[str, Regrid] = field(default_factory=dict)
 
     def writes_of(self, rank: int) -> tuple[tuple[str, Box], ...]:
-        """The boxes ``rank`` writes, in key order."""
+        """The regions ``rank`` writes, in key order: its box of a tensor it
+        writes, or, for a re-gridded tensor, each chunk it writes (in C order)."""
         i = bisect.bisect_left(self.ranks, rank)
         if i == len(self.ranks) or self.ranks[i] != rank:
             return ()
         row_bytes = (len(self.ranks) + 7) // 8
         byte, mask = i // 8, 0x80 >> (i % 8)
         row = {k: t for t, k in enumerate(sorted(self.entries))}
-        mine = [(it.key, it.box) for it in self.held[i] if self.written[row[it.key] * row_bytes + byte] & mask]
+        mine = []
+        for it in self.held[i]:
+            if not self.written[row[it.key] * row_bytes + byte] & mask:
+                continue
+            if it.key in self.regrid:
+                mine.extend((it.key, b) for b in self._chunks_of(it.key, rank))
+            else:
+                mine.append((it.key, it.box))
         return tuple(sorted(mine, key=lambda w: w[0]))
+
+    def _chunks_of(self, key: str, rank: int) -> list[Box]:
+        e = self.entries[key]
+        dims = tuple(-(-n // c) for n, c in zip(e.shape, e.chunk_shape))
+        mine = np.unravel_index(np.flatnonzero(self.regrid[key].owner_array() == rank), dims)
+        return [chunk_box(index, e.chunk_shape, e.shape) for index in zip(*(m.tolist() for m in mine))]
+
+    def pieces_of(self, rank: int | None = None) -> tuple[Piece, ...]:
+        """The pieces ``rank`` sends or receives (all pieces when None), in
+        key order, then chunk order, then box order: the order of the exchange."""
+        out = []
+        for key in sorted(self.regrid):
+            e = self.entries[key]
+            n = len(e.shape)
+            rows = self.regrid[key].piece_rows(n)
+            if rank is not None:
+                rows = rows[(rows[:, 0] == rank) | (rows[:, 1] == rank)]
+            for r in rows.tolist():
+                box = Box(tuple(r[2 : 2 + n]), tuple(r[2 + n :]))
+                index = tuple(o // c for o, c in zip(box.offset, e.chunk_shape))
+                out.append(Piece(key, chunk_box(index, e.chunk_shape, e.shape), r[0], r[1], box))
+        return tuple(out)
+
+    @property
+    def moves_pieces(self) -> bool:
+        """Whether any rank sends a piece: the same answer on every rank, so
+        all ranks take part in the exchange or all skip it. Every re-gridded
+        tensor moves some: a box starting inside a chunk shares that chunk
+        with the box before it."""
+        return bool(self.regrid)
 
     @property
     def writes(self) -> dict[int, tuple[tuple[str, Box], ...]]:
@@ -97,23 +193,28 @@ def build_save_plan(
     keys = sorted(by_key)
     load = np.zeros(len(ranks), np.int64)  # bytes assigned per rank
     written = np.zeros((len(keys), len(ranks)), bool)
-    entries, meta = {}, {}
+    rank_of = np.array(ranks, np.int64)
+    entries, meta, regrids = {}, {}, {}
     for t, key in enumerate(keys):
-        entries[key], writers, meta[key] = _plan_tensor(key, by_key[key], ranks, load, shard_bytes, inner_bytes)
+        entry, writers, meta[key], moved = _plan_tensor(key, by_key[key], rank_of, load, shard_bytes, inner_bytes)
+        entries[key] = entry
         written[t, writers] = True
-    return SavePlan(entries, meta, values, ranks, held, np.packbits(written, axis=1).tobytes())
+        if moved is not None:
+            regrids[key] = moved
+    return SavePlan(entries, meta, values, ranks, held, np.packbits(written, axis=1).tobytes(), regrids)
 
 
 def _plan_tensor(
     key: str,
     holders: list[tuple[_Layout, int]],
-    ranks: tuple[int, ...],
+    rank_of: np.ndarray,
     load: np.ndarray,
     shard_bytes: int,
     inner_bytes: int,
-) -> tuple[TensorEntry, np.ndarray, int]:
+) -> tuple[TensorEntry, np.ndarray, int, Regrid | None]:
     """One tensor's entry, its writers (rank slots, one per distinct box in
-    sorted order) and the rank writing its zarr.json; adds the bytes the
+    sorted order), the rank writing its zarr.json, and, when its chunk grid
+    does not follow its boxes, who writes which chunk; adds the bytes the
     writers write to ``load``."""
     ref_layout, ref_j = min(holders, key=lambda h: h[0].first_position)
     _, dtype, shape = ref_layout.specs[ref_j]
@@ -122,8 +223,8 @@ def _plan_tensor(
         other, j = min(differ, key=lambda h: h[0].first_position)
         _, other_dtype, other_shape = other.specs[j]
         raise IncompatibleStateError(
-            f"{key!r}: ranks disagree on the logical tensor: rank {ranks[ref_layout.first_slot]} has "
-            f"{list(shape)} {dtype}, rank {ranks[other.first_slot]} has {list(other_shape)} {other_dtype}"
+            f"{key!r}: ranks disagree on the logical tensor: rank {int(rank_of[ref_layout.first_slot])} has "
+            f"{list(shape)} {dtype}, rank {int(rank_of[other.first_slot])} has {list(other_shape)} {other_dtype}"
         )
     itemsize = dtypes.BY_TORCH[dtype].itemsize
     ndim = len(shape)
@@ -136,14 +237,26 @@ def _plan_tensor(
     boxes, box_of = tiling.unique_rows(rows)
     starts, sizes = boxes[:, :ndim], boxes[:, ndim:]
     tiling.check_tiling(key, shape, starts, sizes)
+    owned = None
     if not len(boxes) or (len(boxes) == 1 and not starts.any() and bool(np.all(sizes[0] == shape))):
         chunk = grid.single_writer_chunks(shape, itemsize, shard_bytes)
     else:
-        chunk = grid.cap_chunks(tiling.chunk_grid(shape, starts), itemsize, shard_bytes)
+        chunk, coarse = regrid.choose_grid(shape, starts, sizes)
+        chunk = grid.cap_chunks(chunk, itemsize, shard_bytes)
+        if coarse and not regrid.aligned(starts, chunk):
+            owned = regrid.assign(shape, chunk, starts, sizes)
     entry = TensorEntry(dtype, shape, chunk, grid.inner_chunks(chunk, itemsize, inner_bytes))
     writers = _writers(box_of, slots, len(boxes), load)
-    load[writers] += tiling.row_product(sizes) * itemsize
-    return entry, writers, ranks[writers[0] if len(writers) else ref_layout.first_slot]
+    load[writers] += (tiling.row_product(sizes) if owned is None else owned.owned) * itemsize
+    meta = int(rank_of[writers[0] if len(writers) else ref_layout.first_slot])
+    return entry, writers, meta, None if owned is None else _regrid(owned, rank_of[writers])
+
+
+def _regrid(own: regrid.Ownership, writer_rank: np.ndarray) -> Regrid:
+    """The ownership of a re-gridded tensor in ranks (``writer_rank``: the
+    rank writing each box), packed."""
+    pieces = np.column_stack([writer_rank[own.src], writer_rank[own.dst], own.piece_start, own.piece_size])
+    return Regrid.pack(writer_rank[own.owner], pieces)
 
 
 def _writers(box_of: np.ndarray, slots: np.ndarray, n_boxes: int, load: np.ndarray) -> np.ndarray:

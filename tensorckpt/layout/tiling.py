@@ -2,7 +2,8 @@
 
 The distinct boxes that ranks hold of one tensor arrive as two int64 arrays of
 shape ``(boxes, ndim)``: ``starts`` and ``sizes``. Whether they partition the
-tensor, and the coarsest chunk grid aligned with them, then cost a few numpy
+tensor, and the coarsest chunk grid aligned with them (which
+:mod:`tensorckpt.layout.regrid` may coarsen further), then cost a few numpy
 passes rather than a Python loop per box: a save over 8,960 ranks checks
 1,000+ tensors of 8,960 boxes each.
 
