@@ -214,13 +214,20 @@ def _slot(process_group) -> object:
 def _background_group(slot, g: Group) -> Group:
     """A gloo group over the same ranks, for the background thread's
     collectives (created once per group, collectively, on the caller's
-    thread)."""
+    thread). Over the whole world every process takes part in creating it
+    (``new_group``'s rule); for a subgroup only its members do
+    (``use_local_synchronization``)."""
     if not g.distributed:
         return g
     bg = _GROUPS.get(slot)
     if bg is None:
-        ranks = dist.get_process_group_ranks(g.pg) if g.pg is not None else list(range(dist.get_world_size()))
-        bg = Group(dist.new_group(ranks=ranks, backend="gloo", use_local_synchronization=True))
+        world = dist.get_world_size()
+        ranks = dist.get_process_group_ranks(g.pg) if g.pg is not None else list(range(world))
+        if len(ranks) == world:  # every process calls: the plain collective form
+            pg = dist.new_group(backend="gloo")
+        else:  # only the subgroup's members call this
+            pg = dist.new_group(ranks=ranks, backend="gloo", use_local_synchronization=True)
+        bg = Group(pg)
         _GROUPS[slot] = bg
     return bg
 
