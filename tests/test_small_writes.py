@@ -73,3 +73,43 @@ def test_box_of_one_chunk_in_a_grid(tmp_path):
     assert arrays.encode_whole_chunk(entry, data) == (tmp_path / "ref" / "a" / "c" / "2" / "0").read_bytes()
     kv.write(loc, "b/c/2/0", arrays.encode_whole_chunk(entry, data))
     assert (tmp_path / "ref" / "b" / "c" / "2" / "0").read_bytes() == (tmp_path / "ref" / "a" / "c" / "2" / "0").read_bytes()
+
+
+def test_save_writes_small_tensors_without_opening_arrays(tmp_path, monkeypatch):
+    import tensorckpt
+
+    opened = []
+    real = arrays.open_write
+    monkeypatch.setattr(arrays, "open_write", lambda loc, key, entry: opened.append(key) or real(loc, key, entry))
+    state = {f"t{i}": torch.arange(i + 1, dtype=torch.float32) for i in range(50)}
+    state["big"] = torch.zeros(512, 1024)  # several inner chunks: through TensorStore
+    tensorckpt.save(state, tmp_path / "c", inner_chunk_bytes=64 << 10)
+    assert opened == ["big"]
+    loaded = tensorckpt.open(tmp_path / "c").to_state_dict()
+    for k, v in state.items():
+        assert torch.equal(loaded[k], v), k
+    assert tensorckpt.verify(tmp_path / "c").ok
+
+
+def test_a_failing_small_write_fails_the_save_and_keeps_the_previous(tmp_path, monkeypatch):
+    import tensorckpt
+
+    tensorckpt.save({"w": torch.ones(3)}, tmp_path / "c")
+    real = kv.write_many_async
+
+    def failing(loc, objects):
+        wait = real(loc, objects)
+        if not any("/c" in k for k in objects):
+            return wait
+
+        def fail():
+            wait()
+            raise ValueError("FAILED_PRECEDING: Error writing local file: No space left on device")  # as TensorStore reports it
+
+        return fail
+
+    monkeypatch.setattr(kv, "write_many_async", failing)
+    with pytest.raises(tensorckpt.TensorckptError, match="No space left"):
+        tensorckpt.save({"w": torch.zeros(3)}, tmp_path / "c", overwrite=True)
+    monkeypatch.undo()
+    assert torch.equal(tensorckpt.open(tmp_path / "c").read("w"), torch.ones(3))

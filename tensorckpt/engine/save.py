@@ -44,7 +44,7 @@ from ..layout.plan import LocalItem, LocalPlan, SavePlan, build_save_plan, merge
 from ..storage import arrays, commit, kv, location
 from .group import Group, capture, reraise
 
-WRITEBACK_BYTES = 64 << 20  # from this much data on, sync in the background while writing
+WRITEBACK_BYTES = 64 << 20  # from this much data (per 16 objects) on, sync in the background while writing
 _GROUP_JSON = dumps({"zarr_format": 3, "node_type": "group", "attributes": {}})
 OPTIONS = ("metadata", "shard_bytes", "inner_chunk_bytes")
 
@@ -338,10 +338,11 @@ def _write_local(
         os.makedirs(loc.path, exist_ok=True)  # also when this rank writes nothing
     mine = plan.writes_of(rank)
     meta_write = kv.write_many_async(loc, objects)
-    opened = {k: arrays.open_write(loc, k, plan.entries[k]) for k in {k for k, _ in mine}}
-    writes = []
+    small = {(k, b): pos for k, b in mine if (pos := arrays.whole_chunk(plan.entries[k], b)) is not None}
+    opened = {k: arrays.open_write(loc, k, plan.entries[k]) for k in {k for k, b in mine if (k, b) not in small}}
+    writes, encoded, small_write = [], {}, lambda: None
     start, staging = time.perf_counter(), 0.0
-    big = loc.is_local and plan_bytes(plan, rank) >= WRITEBACK_BYTES
+    big = loc.is_local and plan_bytes(plan, rank) >= WRITEBACK_BYTES * max(1, len(mine) // 16)
     writeback = kv.Writeback(loc.path) if big else contextlib.nullcontext()
     with writeback:  # the disk writes back while TensorStore encodes the rest
         try:
@@ -355,12 +356,17 @@ def _write_local(
                 if box != held:  # a chunk of a re-gridded tensor
                     t = _assemble(box, t, held, received.get(key, ()))
                 staging += time.perf_counter() - t0
-                if box.numel:
+                if not box.numel:
+                    continue
+                data = dtypes.to_numpy(t)
+                if (key, box) in small:  # one inner chunk: encoded here, written in one batch below
+                    encoded[f"{key}/{arrays.chunk_key(small[key, box])}"] = arrays.encode_whole_chunk(plan.entries[key], data)
+                else:
                     arr = opened[key].result()
-                    data = dtypes.to_numpy(t)
                     writes.append((key, arr[box.slices()].write(data) if box.shape else arr.write(data)))
+            small_write = kv.write_many_async(loc, encoded)
         finally:
-            failure = _settle(loc, writes, opened, meta_write)
+            failure = _settle(loc, writes, opened, meta_write, small_write)
     stats.seconds["stage"] = stats.seconds.get("stage", 0.0) + staging
     stats.seconds["write"] = time.perf_counter() - start - staging
     if failure is not None:
@@ -371,7 +377,7 @@ def _write_local(
     stats._phase("sync", t)
 
 
-def _settle(loc, writes, opened, meta_write) -> Exception | None:
+def _settle(loc, writes, opened, meta_write, small_write) -> Exception | None:
     """Wait for every issued write; return the first failure."""
     failure = None
     for key, w in writes:
@@ -388,6 +394,10 @@ def _settle(loc, writes, opened, meta_write) -> Exception | None:
         meta_write()
     except Exception as e:
         failure = failure or TensorckptError(f"{loc}: writing metadata failed: {e}")
+    try:
+        small_write()
+    except Exception as e:
+        failure = failure or TensorckptError(f"{loc}: writing small tensors failed: {e}")
     return failure
 
 
