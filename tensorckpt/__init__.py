@@ -36,6 +36,7 @@ from .errors import (
 from .format.metadata import FORMAT_VERSION
 from .verify import VerifyReport, verify
 from .clean import CleanReport, clean
+from .manager import CheckpointManager, StepInfo
 from . import cli  # noqa: E402  (tensorckpt.cli.inspect is public)
 
 
@@ -54,5 +55,6 @@ __all__ = [
     "UnsupportedValueError", "InvalidPathError", "InvalidIndexError",
     "rng_state", "ResumableSampler",
     "verify", "VerifyReport", "clean", "CleanReport",
+    "CheckpointManager", "StepInfo",
     "register_adapter",
 ]

@@ -11,6 +11,8 @@
                                        remove what interrupted saves left
                                        (spec 10.5: never a committed
                                        checkpoint, never a save in progress)
+    tensorckpt list ROOT [--json]      the steps of a CheckpointManager root:
+                                       step, committed or incomplete, size
 
 Exit status: 0 success, 1 incomplete or corrupt checkpoint (inspect,
 verify), 2 usage or other errors.
@@ -154,6 +156,23 @@ class _Progress:
             self.stream.flush()
 
 
+def list_steps(root: str, as_json: bool = False, out=None) -> int:
+    """The steps under a :class:`tensorckpt.CheckpointManager` root."""
+    from .manager import CheckpointManager
+
+    out = out or sys.stdout
+    steps = CheckpointManager(root).steps()
+    if as_json:
+        print(json.dumps([s.to_json() for s in steps], indent=1), file=out)
+        return 0
+    if not steps:
+        print(f"no steps under {root}", file=out)
+    for s in steps:
+        note = f"  ({len(s.leftovers)} leftover(s) of interrupted saves)" if s.leftovers else ""
+        print(f"{s.step:>12}  {s.status:<10} {_size(s.bytes):>10}  {s.path}{note}", file=out)
+    return 0
+
+
 def _seconds(text: str) -> float:
     try:
         value = float(text)
@@ -181,12 +200,17 @@ def main(argv: list[str] | None = None) -> int:
                    "it must exceed the longest a save can take")
     p.add_argument("--dry-run", action="store_true", help="list what would be removed, remove nothing")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
+    p = sub.add_parser("list", help="list the steps of a CheckpointManager root (committed or incomplete, size)")
+    p.add_argument("root")
+    p.add_argument("--json", action="store_true", help="print the steps as JSON")
     args = parser.parse_args(argv)
     try:
         if args.command == "verify":
             return verify(args.path, args.json, args.quiet)
         if args.command == "clean":
             return clean(args.path, args.older_than, args.dry_run, args.json)
+        if args.command == "list":
+            return list_steps(args.root, args.json)
         return inspect(args.path, args.json)
     except TensorckptError as e:
         print(f"tensorckpt: error: {e}", file=sys.stderr)

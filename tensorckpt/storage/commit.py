@@ -22,7 +22,7 @@ import os
 import secrets
 from dataclasses import dataclass
 
-from ..errors import CheckpointExistsError
+from ..errors import CheckpointExistsError, TensorckptError
 from . import kv
 from .location import Location
 
@@ -62,17 +62,25 @@ def begin(target: Location, overwrite: bool, token: str) -> Commit:
 
 
 def finish(c: Commit, root_json: bytes) -> None:
-    """Make the written data durable, then commit it with ``root_json``."""
-    if c.target.is_local:
-        _finish_local(c, root_json)
-        return
-    kv.write(c.write_to, ROOT_KEY, root_json)
-    if c.staged:  # replace: the new checkpoint is complete at the staging prefix
-        kv.delete(c.target, ROOT_KEY)  # the old one stops being valid before any of its data goes
-        kv.delete_all(c.target)
-        kv.copy_all(c.write_to, c.target, skip=(ROOT_KEY,))
-        kv.write(c.target, ROOT_KEY, root_json)
-        kv.delete_all(c.write_to)
+    """Make the written data durable, then commit it with ``root_json``. A
+    storage error is raised as a :class:`TensorckptError` naming the target
+    (and, if the old checkpoint is already gone, where the new one is whole)."""
+    try:
+        if c.target.is_local:
+            _finish_local(c, root_json)
+            return
+        kv.write(c.write_to, ROOT_KEY, root_json)
+        if c.staged:  # replace: the new checkpoint is complete at the staging prefix
+            kv.delete(c.target, ROOT_KEY)  # the old one stops being valid before any of its data goes
+            kv.delete_all(c.target)
+            kv.copy_all(c.write_to, c.target, skip=(ROOT_KEY,))
+            kv.write(c.target, ROOT_KEY, root_json)
+            _discard(c.write_to)
+    except (OSError, ValueError) as e:  # TensorStore reports storage errors as ValueError
+        where = ""
+        if _only_copy(c):
+            where = f"; the new checkpoint is complete at {c.write_to}: move it into place to recover it (spec 10.5)"
+        raise TensorckptError(f"{c.target}: committing the checkpoint failed: {e}{where}") from e
 
 
 def _finish_local(c: Commit, root_json: bytes) -> None:
@@ -80,10 +88,15 @@ def _finish_local(c: Commit, root_json: bytes) -> None:
     the root zarr.json and the renames need to become durable."""
     staging, target = c.write_to.path, c.target.path
     os.makedirs(staging, exist_ok=True)
-    with open(os.path.join(staging, ROOT_KEY), "wb") as f:
+    # written under a temporary name, then renamed: a staging directory holds a
+    # root zarr.json only once it is whole (spec 10.5 takes such a leftover for
+    # a complete checkpoint; a save killed mid-write must not leave half a root)
+    partial = os.path.join(staging, f".{ROOT_KEY}.partial")
+    with open(partial, "wb") as f:
         f.write(root_json)
         f.flush()
         os.fsync(f.fileno())
+    os.rename(partial, os.path.join(staging, ROOT_KEY))
     kv.fsync_dir(staging)
     parent = os.path.dirname(target)
     old = None
@@ -97,13 +110,40 @@ def _finish_local(c: Commit, root_json: bytes) -> None:
         os.rename(staging, target)
     kv.fsync_dir(parent)
     if old is not None:
-        kv.delete_all(old)
+        _discard(old)
+
+
+def _discard(loc: Location) -> None:
+    """Delete a copy that the commit made stale. The checkpoint is committed by
+    now, so a failure here does not fail the save: what stays is a stale
+    leftover that ``tensorckpt clean`` removes (spec 10.5 rule 5)."""
+    try:
+        kv.delete_all(loc)
+    except (OSError, ValueError):
+        pass
 
 
 def abort(c: Commit) -> None:
     """Remove what an unsuccessful save wrote (never the target, unless the
-    target itself was being written fresh)."""
+    target itself was being written fresh). A complete staging copy is kept
+    while the target is not committed: a replace that failed after the old
+    checkpoint was deleted (10.3) has no other copy left (spec 10.5 rule 5)."""
+    if _only_copy(c):
+        return
     kv.delete_all(c.write_to)
+
+
+def _only_copy(c: Commit) -> bool:
+    """Whether an object-store replace got past deleting the old checkpoint:
+    the target is not committed and the staging prefix holds the whole new
+    one (locally the old checkpoint is never deleted before the new one is in
+    place, 10.2). When unsure, True: keeping a copy is the safe side."""
+    if c.target.is_local or not c.staged:
+        return False
+    try:
+        return kv.read(c.target, ROOT_KEY) is None and kv.read(c.write_to, ROOT_KEY) is not None
+    except (OSError, ValueError):
+        return True
 
 
 def leftovers(target: Location) -> list[Location]:

@@ -1,0 +1,516 @@
+"""``tensorckpt.CheckpointManager``: one checkpoint per training step under a
+root, the newest one found again after a restart, and old ones retired by a
+retention policy (normative rules: ``spec/manager.md``).
+
+    mgr = tensorckpt.CheckpointManager("runs/a", keep_last=3, keep_every=1000)
+    step = mgr.restore(state) or 0          # newest committed step, or None
+    for step in range(step + 1, steps + 1):
+        train_step()
+        if step % 100 == 0:
+            mgr.async_save(step, state)     # runs retention once committed
+    mgr.wait()
+
+Layout: ``ROOT/step-00000100`` (``step-`` and the step in decimal, at least 8
+digits). Each step directory is an ordinary checkpoint, written with the
+commit protocol of spec/format-v1.md section 10, so ``tensorckpt.open``,
+``load``, ``verify`` and ``clean`` work on it directly.
+
+In a distributed job every rank creates the manager and calls ``save``,
+``async_save``, ``latest`` and ``restore`` together (they are collectives).
+Rank 0 alone lists the root and deletes, and broadcasts what ranks must agree
+on. Retention runs after each successful commit, on rank 0, before the save
+counts as finished (``save`` returns, an async handle completes), so it never
+overlaps a save of this manager. It:
+
+- keeps the newest ``keep_last`` committed steps and every step that is a
+  multiple of ``keep_every``; never the newest committed step;
+- deletes a superseded step only once the step that superseded it has been
+  committed for ``reader_grace`` seconds, so a reader that resolved the newest
+  step less than that long ago still finds it whole;
+- retires a step atomically (local: renamed out of the way first; object
+  stores: root ``zarr.json`` deleted first), so a reader never sees half of
+  one;
+- removes the leftovers of interrupted saves by the grace-period rule of
+  spec 10.5 (``grace`` seconds, like ``tensorckpt clean --older-than``), never
+  those of a save in flight; a complete copy left at a staging name (a save
+  killed just before its rename) is moved into place instead of lost.
+"""
+
+from __future__ import annotations
+
+import os
+import posixpath
+import re
+import threading
+import time
+import warnings
+from collections.abc import Callable, Mapping, MutableMapping
+from dataclasses import dataclass
+
+from .checkpoint import read_root
+from .clean import DEFAULT_OLDER_THAN, _age, _has_root, _too_young
+from .clean import clean as _clean_leftovers
+from .engine.async_save import SaveHandle
+from .engine.async_save import async_save as _async_save
+from .engine.group import Group, capture, reraise
+from .engine.load import load as _load
+from .engine.save import save as _save
+from .errors import CheckpointExistsError, TensorckptError
+from .storage import commit, kv, location
+
+STEP_PREFIX = "step-"
+STEP_DIGITS = 8
+RETIRED_INFIX = ".tensorckpt-retired-"
+DEFAULT_READER_GRACE = 60.0  # seconds a superseded step stays readable
+RESTORE_ATTEMPTS = 5
+
+_STEP_NAME = re.compile(r"step-([0-9]{8,})")
+
+
+def step_name(step: int) -> str:
+    """The directory name of ``step``: ``step-`` and at least 8 decimal digits."""
+    return f"{STEP_PREFIX}{_check_step(step):0{STEP_DIGITS}d}"
+
+
+def parse_step_name(name: str) -> int | None:
+    """The step of a step directory name, or None if ``name`` is not one (only
+    the canonical spelling counts: ``step-00000100``, not ``step-100``)."""
+    m = _STEP_NAME.fullmatch(name)
+    if m is None:
+        return None
+    step = int(m.group(1))
+    return step if step_name(step) == name else None
+
+
+def _check_step(step) -> int:
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise ValueError(f"a step must be an int >= 0, got {step!r}")
+    return step
+
+
+@dataclass(frozen=True)
+class StepInfo:
+    """One step found under the root (:meth:`CheckpointManager.steps`)."""
+
+    step: int
+    path: str  # the step directory's path or URL
+    status: str  # "committed" or "incomplete" (never committed: in progress, interrupted, or not made by a save)
+    bytes: int  # stored bytes: the step directory, plus its leftovers when incomplete
+    leftovers: tuple[str, ...] = ()  # staging locations of saves to this step (spec 10.2)
+
+    @property
+    def committed(self) -> bool:
+        return self.status == "committed"
+
+    def to_json(self) -> dict:
+        return {"step": self.step, "path": self.path, "status": self.status, "bytes": self.bytes,
+                "leftovers": list(self.leftovers)}
+
+
+@dataclass
+class _Entry:
+    target: bool = False  # the step directory (or object prefix) exists
+    committed: bool = False
+    leftovers: tuple[location.Location, ...] = ()
+
+
+class CheckpointManager:
+    """Checkpoints of a training run, one per step, under ``root`` (a local
+    path, ``file://`` URL, or ``memory://`` in a single process).
+
+    ``keep_last``: how many of the newest committed steps to keep (None: all).
+    ``keep_every``: also keep every step that is a multiple of it (None: none).
+    ``reader_grace``: seconds a superseded step stays after the step that
+    superseded it was committed (readers of the newest step finish within it).
+    ``grace``: age after which the leftovers of an interrupted save are
+    deleted (spec 10.5; like ``tensorckpt clean --older-than``).
+    ``process_group``: the group whose ranks save together (default: the
+    default group when torch.distributed is initialized).
+    """
+
+    def __init__(
+        self,
+        root,
+        *,
+        keep_last: int | None = None,
+        keep_every: int | None = None,
+        reader_grace: float = DEFAULT_READER_GRACE,
+        grace: float = DEFAULT_OLDER_THAN,
+        process_group=None,
+    ) -> None:
+        for name, v in (("keep_last", keep_last), ("keep_every", keep_every)):
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+                raise ValueError(f"CheckpointManager({name}=...) must be None or an int >= 1, got {v!r}")
+        for name, v in (("reader_grace", reader_grace), ("grace", grace)):
+            if not (isinstance(v, (int, float)) and not isinstance(v, bool) and v >= 0):
+                raise ValueError(f"CheckpointManager({name}=...) must be a number of seconds >= 0, got {v!r}")
+        self.root = location.parse(root)
+        self.keep_last, self.keep_every = keep_last, keep_every
+        self.reader_grace, self.grace = float(reader_grace), float(grace)
+        self.process_group = process_group
+        self._g = Group(process_group)
+        if self._g.distributed and not self.root.is_local:
+            raise TensorckptError(f"{self.root}: memory:// stores are per process; a distributed job needs a shared file path")
+        self._lock = threading.RLock()  # retention and listing on rank 0
+        self._seen: dict[int, float] = {}  # step -> when this manager saw it committed (stores without times)
+        self._pending: SaveHandle | None = None  # the last async save of this manager
+        self._in_flight: dict[int, SaveHandle | None] = {}  # steps being saved: their handle (None: a sync save)
+        self._newest_started: int | None = None  # the largest step this manager started saving
+
+    # ------------------------------------------------------------ paths
+
+    @property
+    def path(self) -> str:
+        return self.root.url
+
+    def step_path(self, step: int) -> str:
+        """Where ``step`` is (or would be) saved."""
+        return self._loc(step).url
+
+    def _loc(self, step: int) -> location.Location:
+        return self._child(step_name(step))
+
+    def _child(self, name: str) -> location.Location:
+        return location.Location(self.root.scheme, posixpath.join(self.root.path, name))
+
+    def __repr__(self) -> str:
+        return f"CheckpointManager({self.path!r}, keep_last={self.keep_last}, keep_every={self.keep_every})"
+
+    # ------------------------------------------------------------ saving
+
+    def save(self, step: int, state: Mapping, **options) -> None:
+        """Save ``state`` as ``step`` (a collective, like :func:`tensorckpt.save`;
+        ``options`` are passed on to it), then apply retention. ``step`` must
+        not be older than the newest committed step; saving that step again
+        needs ``overwrite=True``."""
+        _check_step(step)
+        self.wait(raise_error=False)
+        self._agree_on_step(step, options.get("overwrite", False))
+        self._in_flight[step] = None
+        try:
+            _save(state, self.step_path(step), process_group=self.process_group, **options)
+        finally:
+            del self._in_flight[step]
+        self._committed(step)
+
+    def async_save(self, step: int, state: Mapping, *, on_durable: Callable[[SaveHandle], None] | None = None,
+                   **options) -> SaveHandle:
+        """Like :meth:`save`, returning once the tensors are copied to host
+        memory (:func:`tensorckpt.async_save`). Retention runs in the
+        background once the step is committed, before the handle completes;
+        then ``on_durable(handle)``, if given."""
+        _check_step(step)
+        self._agree_on_step(step, options.get("overwrite", False))
+
+        def durable(handle: SaveHandle) -> None:
+            self._committed(step)
+            if on_durable is not None:
+                on_durable(handle)
+
+        self._in_flight = {s: h for s, h in self._in_flight.items() if h is None or not h.done()}
+        self._in_flight[step] = None
+        try:
+            handle = _async_save(state, self.step_path(step), process_group=self.process_group,
+                                 on_durable=durable, **options)
+        finally:
+            del self._in_flight[step]
+        self._in_flight[step] = handle  # in flight until the handle is done
+        self._pending = handle
+        return handle
+
+    def wait(self, timeout: float | None = None, *, raise_error: bool = True) -> None:
+        """Wait for this manager's async save in flight (and its retention);
+        raise its error, if it failed."""
+        h = self._pending
+        if h is None:
+            return
+        if raise_error:
+            h.wait(timeout)
+        else:
+            h._done.wait(timeout)
+
+    def __enter__(self) -> "CheckpointManager":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.wait(raise_error=exc[0] is None)
+
+    def _agree_on_step(self, step: int, overwrite: bool) -> None:
+        """Rank 0 checks that ``step`` is not older than the newest committed
+        (or started) step; every rank raises the same error if it is."""
+        err = None
+        if self._g.rank == 0:
+            _, err = capture(self._check_new_step, step, overwrite)
+        reraise(self._g.broadcast(err))
+        self._newest_started = max(step, self._newest_started if self._newest_started is not None else step)
+
+    def _check_new_step(self, step: int, overwrite: bool) -> None:
+        newest = self._latest_local()
+        started = self._newest_started
+        if started is not None and step < started:
+            raise TensorckptError(f"{self.path}: step {step} is older than step {started}, already saved by this manager")
+        if newest is not None and step < newest:
+            raise TensorckptError(
+                f"{self.path}: step {step} is older than the newest committed step {newest}; steps must not go "
+                "back (retention and latest() follow the step number): delete the newer steps first "
+                "(CheckpointManager.delete), or save into another root"
+            )
+        if newest == step and not overwrite:
+            raise CheckpointExistsError(f"{self.step_path(step)}: step {step} is already committed; pass overwrite=True to replace it")
+
+    def _committed(self, step: int) -> None:
+        """After ``step`` committed: note when, and apply retention (rank 0).
+        A retention failure is a warning: the step is committed, and every
+        rank must go on alike."""
+        with self._lock:
+            self._seen[step] = time.time()
+        if self._g.rank != 0:
+            return
+        try:
+            self.prune()
+        except Exception as e:  # noqa: BLE001
+            warnings.warn(f"tensorckpt: retention in {self.path} after step {step} failed: {e!r}", stacklevel=2)
+
+    # ------------------------------------------------------------ finding
+
+    def latest(self) -> int | None:
+        """The newest committed step, or None (a collective in a distributed job:
+        rank 0 looks, every rank gets its answer)."""
+        if not self._g.distributed:
+            return self._latest_local()
+        found = capture(self._latest_local) if self._g.rank == 0 else None
+        step, err = self._g.broadcast(found)
+        reraise(err)
+        return step
+
+    def _latest_local(self) -> int | None:
+        committed = [s for s, e in self._scan().items() if e.committed]
+        return max(committed) if committed else None
+
+    def steps(self) -> list[StepInfo]:
+        """Every step under the root, oldest first: committed ones and
+        incomplete ones (a save in progress or interrupted). Not a collective:
+        any rank may call it."""
+        out = []
+        for step, e in sorted(self._scan().items()):
+            loc = self._loc(step)
+            size = _stored_bytes(loc) if e.target else 0
+            if not e.committed:
+                size += sum(_stored_bytes(x) for x in e.leftovers)
+            out.append(StepInfo(step, loc.url, "committed" if e.committed else "incomplete", size,
+                                tuple(x.url for x in e.leftovers)))
+        return out
+
+    list = steps
+
+    def restore(self, state: MutableMapping, step: int | None = None, *, strict: bool = True, stats=None) -> int | None:
+        """Load ``step`` (default: the newest committed one) into ``state`` in
+        place, like :func:`tensorckpt.load`, and return the step loaded; None
+        (state untouched) when ``step`` is None and nothing is committed. If
+        the newest step is retired by another process while it is being read,
+        the load is retried with the then newest one."""
+        g = self._g
+        last: BaseException | None = None
+        for _ in range(RESTORE_ATTEMPTS):
+            s = self.latest() if step is None else _check_step(step)
+            if s is None:
+                return None
+            err = None
+            try:
+                _load(state, self.step_path(s), process_group=self.process_group, strict=strict, stats=stats)
+            except Exception as e:  # noqa: BLE001 - every rank learns of it before anyone raises
+                err = e
+            errors = g.all_gather((type(err).__name__, str(err)) if err is not None else None)
+            failed = next(((r, e) for r, e in enumerate(errors) if e is not None), None)
+            if failed is None:
+                return s
+            last = err if err is not None else TensorckptError(f"restoring step {s} failed on rank {failed[0]}: {failed[1][1]}")
+            if step is not None:
+                break
+            gone = None
+            if g.rank == 0:
+                gone = not self._scan().get(s, _Entry()).committed
+            if not g.broadcast(gone):
+                break  # still committed: a real problem with the step, not a race with retention
+        raise last
+
+    # ------------------------------------------------------------ retention
+
+    def prune(self) -> list[int]:
+        """Apply retention now (rank 0; other ranks do nothing). Returns the
+        committed steps it retired. Called after every commit."""
+        if self._g.rank != 0:
+            return []
+        with self._lock:
+            return self._prune()
+
+    def delete(self, step: int) -> None:
+        """Retire committed ``step`` whatever the policy (rank 0; waits for this
+        manager's async save first). Readers of it may fail: it is the user's
+        call."""
+        _check_step(step)
+        self.wait(raise_error=False)
+        if self._g.rank != 0:
+            return
+        with self._lock:
+            e = self._scan().get(step)
+            if e is None or not e.committed:
+                raise TensorckptError(f"{self.step_path(step)}: step {step} is not committed")
+            self._retire(step)
+
+    def _prune(self) -> list[int]:
+        now = time.time()
+        busy = self._busy()
+        entries = self._scan()
+        recovered = [s for s, e in entries.items() if not e.committed and s not in busy and self._recover(s, e)]
+        if recovered:
+            entries = self._scan()
+        committed = sorted(s for s, e in entries.items() if e.committed)
+        keep = set(committed[-self.keep_last:]) if self.keep_last else set(committed)
+        if self.keep_every:
+            keep |= {s for s in committed if s % self.keep_every == 0}
+        if committed:
+            keep.add(committed[-1])  # never the newest committed step
+        retired = []
+        for i, s in enumerate(committed):
+            if s in keep or s in busy:
+                continue
+            superseded = self._commit_time(committed[i + 1])
+            if superseded is None or now - superseded < self.reader_grace:
+                continue  # a reader may have resolved it as the newest step moments ago
+            if entries[s].leftovers:  # a stale or running replace of it: its leftovers first
+                report = _clean_leftovers(self.step_path(s), older_than=self.grace)
+                if not all(x.removed for x in report.leftovers):
+                    continue
+            self._retire(s)
+            retired.append(s)
+        for s, e in entries.items():
+            if e.committed or s in busy:
+                continue
+            _clean_leftovers(self.step_path(s), older_than=self.grace)  # spec 10.5: the grace-period rule
+        for loc in self._retired():
+            _remove(loc)  # interrupted retirements: no reader can reach them
+        return retired
+
+    def _recover(self, step: int, e: _Entry) -> bool:
+        """Commit a complete copy of an uncommitted step left at a staging name
+        (spec 10.5: a save killed after writing its root ``zarr.json`` and
+        before the rename, or between the two renames of the fallback), once
+        it is older than ``grace``: it is a whole checkpoint, and may be the
+        only copy. The copy not named ``-old`` (the newer one) wins."""
+        whole = [x for x in e.leftovers if _has_root(x) and _valid_root(x)]
+        if not whole or any(_too_young(_age(x), self.grace) for x in e.leftovers):
+            return False
+        best = sorted(whole, key=lambda x: (x.name.endswith("-old"), x.name))[0]
+        target = self._loc(step)
+        if target.is_local:
+            if os.path.lexists(target.path):
+                return False  # not made by a save (spec 10.5 rule 1): left alone
+            os.rename(best.path, target.path)
+            kv.fsync_dir(self.root.path)
+        else:  # as a replace commits on an object store (10.3): the root zarr.json last
+            kv.delete_all(target)
+            kv.copy_all(best, target, skip=(commit.ROOT_KEY,))
+            kv.write(target, commit.ROOT_KEY, kv.read(best, commit.ROOT_KEY))
+            _remove(best)
+        return True
+
+    def _busy(self) -> set[int]:
+        """Steps this manager is saving now (never cleaned up under them)."""
+        return {s for s, h in list(self._in_flight.items()) if h is None or not h.done()}
+
+    def _retire(self, step: int) -> None:
+        """Delete a committed step so that no reader ever sees part of it:
+        locally, rename it out of the way (readers then find no step), then
+        delete it, root ``zarr.json`` first; on object stores, delete the root
+        ``zarr.json`` first (the step is then uncommitted), then the rest."""
+        loc = self._loc(step)
+        if loc.is_local:
+            trash = self._child(f".{loc.name}{RETIRED_INFIX}{commit.new_token()}")
+            os.rename(loc.path, trash.path)
+            kv.fsync_dir(self.root.path)
+            _remove(trash)
+        else:
+            _remove(loc)
+        self._seen.pop(step, None)
+
+    def _commit_time(self, step: int) -> float | None:
+        """When ``step`` was committed (an upper bound), or None if unknown. Local:
+        the latest mtime/ctime of its root ``zarr.json`` and directory; other
+        stores keep no times: when this manager first saw it committed."""
+        loc = self._loc(step)
+        if loc.is_local:
+            t = 0.0
+            for p in (os.path.join(loc.path, commit.ROOT_KEY), loc.path):
+                try:
+                    st = os.lstat(p)
+                except FileNotFoundError:
+                    return None
+                t = max(t, st.st_mtime, st.st_ctime)
+            return t
+        return self._seen.get(step)
+
+    # ------------------------------------------------------------ listing
+
+    def _names(self) -> set[str]:
+        """Names directly under the root."""
+        if self.root.is_local:
+            try:
+                return set(os.listdir(self.root.path))
+            except (FileNotFoundError, NotADirectoryError):
+                return set()
+        return {k.split("/", 1)[0] for k in kv.list_keys(self.root)}
+
+    def _scan(self) -> dict[int, _Entry]:
+        entries: dict[int, _Entry] = {}
+        now = time.time()
+        for name in sorted(self._names()):
+            if name.startswith(".") and commit.STAGING_INFIX in name:
+                step = parse_step_name(name[1 : name.index(commit.STAGING_INFIX)])
+                if step is not None:
+                    e = entries.setdefault(step, _Entry())
+                    e.leftovers = (*e.leftovers, self._child(name))
+                continue
+            step = parse_step_name(name)
+            if step is None:
+                continue
+            e = entries.setdefault(step, _Entry())
+            e.target = True
+            e.committed = _has_root(self._loc(step))
+            if e.committed:
+                with self._lock:
+                    self._seen.setdefault(step, now)
+        return entries
+
+    def _retired(self) -> list[location.Location]:
+        return [self._child(n) for n in sorted(self._names())
+                if n.startswith(".") and RETIRED_INFIX in n and parse_step_name(n[1 : n.index(RETIRED_INFIX)]) is not None]
+
+
+def _valid_root(loc: location.Location) -> bool:
+    """Whether the root zarr.json at ``loc`` parses and validates (spec 9): a
+    copy is committed by the retention only then."""
+    try:
+        read_root(loc)
+        return True
+    except TensorckptError:
+        return False
+
+
+def _remove(loc: location.Location) -> None:
+    """Delete a checkpoint location, its root ``zarr.json`` first."""
+    kv.delete(loc, commit.ROOT_KEY)
+    kv.delete_all(loc)
+
+
+def _stored_bytes(loc: location.Location) -> int:
+    if loc.is_local:
+        total = 0
+        for folder, _, files in os.walk(loc.path):
+            for name in files:
+                try:
+                    total += os.lstat(os.path.join(folder, name)).st_size
+                except FileNotFoundError:
+                    pass
+        return total
+    return sum(len(kv.read(loc, k) or b"") for k in kv.list_keys(loc))
