@@ -575,8 +575,8 @@ def test_every_storage_operation_failing(tmp_path, monkeypatch, mem_url, where, 
     assert not bad, "\n".join(f"{w}: bare {type(e).__name__}: {e}" for _, w, e in bad)
 
 
-@pytest.mark.xfail(reason="engine/save.py: a failing sync (kv.sync_tree) is raised as a bare OSError "
-                   "without the path, not as a TensorckptError", strict=False)
+@pytest.mark.regression(reason="fixed bug: engine/save.py raised a failing sync (kv.sync_tree) as a bare OSError "
+                        "without the path; and kv.sync_tree fell back to os.sync() when syncfs failed, hiding the error")
 def test_failing_sync_is_a_tensorckpt_error(tmp_path, monkeypatch):
     def sync_tree(path):
         raise OSError(errno.EIO, "Input/output error")
@@ -609,7 +609,8 @@ def _free(path) -> int:
 
 
 def _settled() -> None:
-    """Let the writes a failed save left running finish (see the xfail test below)."""
+    """A moment for the file system after a failed save (no write outlives a save any more: see
+    test_a_failed_save_leaves_no_staging_behind)."""
     time.sleep(0.5)
 
 
@@ -659,9 +660,9 @@ def test_a_full_file_system(small_fs, capsys):
     assert outcomes["TensorckptError"] >= 3
 
 
-@pytest.mark.xfail(reason="engine/save.py: when one chunk write of a tensor fails, the write future of the "
-                   "tensor fails at once while TensorStore still writes its other stored chunks; the abort "
-                   "that follows deletes the staging directory, and those writes create it again", strict=False)
+@pytest.mark.regression(reason="fixed bug: engine/save.py issued one write per tensor; when one of its chunks "
+                        "failed, the future failed at once while TensorStore still wrote the others, and those "
+                        "writes re-created the staging directory after the abort (now one write per stored object)")
 def test_a_failed_save_leaves_no_staging_behind(small_fs):
     tensorckpt.save({"w": torch.ones(1000)}, small_fs / "c")
     for _ in range(8):

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import itertools
 import os
 import time
 from collections.abc import Mapping
@@ -361,9 +362,9 @@ def _write_local(
                 data = dtypes.to_numpy(t)
                 if (key, box) in small:  # one inner chunk: encoded here, written in one batch below
                     encoded[f"{key}/{arrays.chunk_key(small[key, box])}"] = arrays.encode_whole_chunk(plan.entries[key], data)
-                else:
+                else:  # one write per stored object: a failure settles only once all are done
                     arr = opened[key].result()
-                    writes.append((key, arr[box.slices()].write(data) if box.shape else arr.write(data)))
+                    writes += [(key, arr[cell].write(data[rel])) for cell, rel in _objects_of(box, plan.entries[key].chunk_shape)]
             small_write = kv.write_many_async(loc, encoded)
         finally:
             failure = _settle(loc, writes, opened, meta_write, small_write)
@@ -373,8 +374,25 @@ def _write_local(
         raise failure
     t = time.perf_counter()
     if loc.is_local:
-        kv.sync_tree(loc.path)
+        try:
+            kv.sync_tree(loc.path)
+        except OSError as e:
+            raise TensorckptError(f"{loc}: making the written data durable failed: {e}") from e
     stats._phase("sync", t)
+
+
+def _objects_of(box: Box, chunk: tuple[int, ...]):
+    """(array slices, slices of the box's data) of each stored object the
+    chunk-aligned ``box`` covers."""
+    if not box.shape:
+        yield (), ()
+        return
+    per_dim = []
+    for o, e, c in zip(box.offset, box.end, chunk):
+        cuts = [o, *range((o // c + 1) * c, e, c), e]
+        per_dim.append([(slice(a, b), slice(a - o, b - o)) for a, b in zip(cuts, cuts[1:])])
+    for cell in itertools.product(*per_dim):
+        yield tuple(a for a, _ in cell), tuple(r for _, r in cell)
 
 
 def _settle(loc, writes, opened, meta_write, small_write) -> Exception | None:

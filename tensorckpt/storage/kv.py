@@ -4,6 +4,7 @@ kvstore layer: read, write, list, delete, and making local writes durable."""
 from __future__ import annotations
 
 import ctypes
+import errno
 import os
 import threading
 
@@ -75,6 +76,9 @@ def sync_tree(path: str) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
         if _libc.syncfs(fd) != 0:
+            err = ctypes.get_errno()
+            if err != errno.ENOSYS:  # a failed writeback must fail the save, not be ignored
+                raise OSError(err, f"syncfs failed: {os.strerror(err)}", path)
             os.sync()
     finally:
         os.close(fd)
