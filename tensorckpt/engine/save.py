@@ -22,7 +22,6 @@ skips planning.
 
 from __future__ import annotations
 
-import contextlib
 import datetime
 import itertools
 import os
@@ -45,7 +44,6 @@ from ..layout.plan import LocalItem, LocalPlan, SavePlan, build_save_plan, merge
 from ..storage import arrays, commit, kv, location
 from .group import Group, capture, reraise
 
-WRITEBACK_BYTES = 64 << 20  # from this much data (per 16 objects) on, sync in the background while writing
 _GROUP_JSON = dumps({"zarr_format": 3, "node_type": "group", "attributes": {}})
 OPTIONS = ("metadata", "shard_bytes", "inner_chunk_bytes")
 
@@ -343,31 +341,28 @@ def _write_local(
     opened = {k: arrays.open_write(loc, k, plan.entries[k]) for k in {k for k, b in mine if (k, b) not in small}}
     writes, encoded, small_write = [], {}, lambda: None
     start, staging = time.perf_counter(), 0.0
-    big = loc.is_local and plan_bytes(plan, rank) >= WRITEBACK_BYTES * max(1, len(mine) // 16)
-    writeback = kv.Writeback(loc.path) if big else contextlib.nullcontext()
-    with writeback:  # the disk writes back while TensorStore encodes the rest
-        try:
-            host: dict[str, tuple[torch.Tensor, Box]] = {}  # the current key: its chunks share one host copy
-            for key, box in mine:
-                t0 = time.perf_counter()
-                if key not in host:
-                    t, _, held = local_part(key, leaves[key].value)
-                    host = {key: (_host(t), held)}
-                t, held = host[key]
-                if box != held:  # a chunk of a re-gridded tensor
-                    t = _assemble(box, t, held, received.get(key, ()))
-                staging += time.perf_counter() - t0
-                if not box.numel:
-                    continue
-                data = dtypes.to_numpy(t)
-                if (key, box) in small:  # one inner chunk: encoded here, written in one batch below
-                    encoded[f"{key}/{arrays.chunk_key(small[key, box])}"] = arrays.encode_whole_chunk(plan.entries[key], data)
-                else:  # one write per stored object: a failure settles only once all are done
-                    arr = opened[key].result()
-                    writes += [(key, arr[cell].write(data[rel])) for cell, rel in _objects_of(box, plan.entries[key].chunk_shape)]
-            small_write = kv.write_many_async(loc, encoded)
-        finally:
-            failure = _settle(loc, writes, opened, meta_write, small_write)
+    try:
+        host: dict[str, tuple[torch.Tensor, Box]] = {}  # the current key: its chunks share one host copy
+        for key, box in mine:
+            t0 = time.perf_counter()
+            if key not in host:
+                t, _, held = local_part(key, leaves[key].value)
+                host = {key: (_host(t), held)}
+            t, held = host[key]
+            if box != held:  # a chunk of a re-gridded tensor
+                t = _assemble(box, t, held, received.get(key, ()))
+            staging += time.perf_counter() - t0
+            if not box.numel:
+                continue
+            data = dtypes.to_numpy(t)
+            if (key, box) in small:  # one inner chunk: encoded here, written in one batch below
+                encoded[f"{key}/{arrays.chunk_key(small[key, box])}"] = arrays.encode_whole_chunk(plan.entries[key], data)
+            else:  # one write per stored object: a failure settles only once all are done
+                arr = opened[key].result()
+                writes += [(key, arr[cell].write(data[rel])) for cell, rel in _objects_of(box, plan.entries[key].chunk_shape)]
+        small_write = kv.write_many_async(loc, encoded)
+    finally:
+        failure = _settle(loc, writes, opened, meta_write, small_write)
     stats.seconds["stage"] = stats.seconds.get("stage", 0.0) + staging
     stats.seconds["write"] = time.perf_counter() - start - staging
     if failure is not None:

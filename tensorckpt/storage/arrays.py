@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import math
 import struct
 import sys
 
@@ -13,7 +14,9 @@ import tensorstore as ts
 from ..format import dtypes
 from ..format.metadata import ATTRIBUTE, TensorEntry, dumps
 from ..layout.boxes import Box
-from .location import CONTEXT, Location
+from .location import CONTEXT, SYNC_CONTEXT, Location
+
+SYNC_OBJECT_BYTES = 4 << 20  # stored objects from this size on are synced as they are written
 
 _BYTES = {"name": "bytes", "configuration": {"endian": "little"}}
 _CRC = {"name": "crc32c"}
@@ -61,7 +64,9 @@ def open_write(loc: Location, key: str, entry: TensorEntry) -> ts.Future:
         "assume_metadata": True,
         "store_data_equal_to_fill_value": True,
     }
-    return ts.open(spec, context=CONTEXT, write=True)
+    d = dtypes.BY_TORCH[entry.dtype]
+    big = math.prod(entry.chunk_shape) * d.itemsize >= SYNC_OBJECT_BYTES
+    return ts.open(spec, context=SYNC_CONTEXT if big else CONTEXT, write=True)
 
 
 def open_read(loc: Location, key: str, entry: TensorEntry) -> ts.Future:

@@ -6,7 +6,6 @@ from __future__ import annotations
 import ctypes
 import errno
 import os
-import threading
 
 import tensorstore as ts
 
@@ -82,34 +81,6 @@ def sync_tree(path: str) -> None:
             os.sync()
     finally:
         os.close(fd)
-
-
-class Writeback:
-    """While a rank's writes are in flight, keep its file system writing dirty
-    pages back (syncfs in a loop, on a thread; the call releases the GIL), so
-    the disk works while the CPU encodes and the final sync has little left.
-    Use as a context manager around the writes; the final sync_tree is still
-    what makes them durable."""
-
-    def __init__(self, path: str) -> None:
-        self._path = path
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="tensorckpt-writeback", daemon=True)
-
-    def _run(self) -> None:
-        while not self._stop.wait(0.02):
-            try:
-                sync_tree(self._path)
-            except OSError:
-                return  # best effort: the final sync reports real errors
-
-    def __enter__(self) -> "Writeback":
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._stop.set()
-        self._thread.join()
 
 
 def fsync_dir(path: str) -> None:

@@ -22,6 +22,10 @@ from ..errors import InvalidPathError
 # see the same data) and its resource limits apply to every checkpoint.
 # file_io_sync is off: each save syncs its files once, before it commits.
 CONTEXT = ts.Context({"file_io_sync": False, "cache_pool": {"total_bytes_limit": 0}})
+# For large stored objects: TensorStore fsyncs each file as soon as it is
+# written, so the disk works while the CPU encodes the next ones (a sync at
+# the end would wait for all of it). A child: memory:// stores are shared.
+SYNC_CONTEXT = ts.Context({"file_io_sync": True}, parent=CONTEXT)
 
 SCHEMES = ("file", "memory")
 
