@@ -29,6 +29,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 import tensorckpt
+from common import drop_caches, torch_save
 
 DCP_NO_PG_WARNING = r"torch\.distributed is disabled, unavailable or uninitialized"
 
@@ -88,17 +89,6 @@ def check_equal(got: dict, want: dict, method: str, prefix: str = "") -> None:
             sys.exit(f"FAIL {method}: value {prefix}{k} is {g!r}, expected {w!r}")
 
 
-def drop_caches() -> str | None:
-    """Drop the page cache; None on success, else why not."""
-    os.sync()
-    try:
-        with open("/proc/sys/vm/drop_caches", "w") as f:
-            f.write("3\n")
-        return None
-    except OSError as e:
-        return f"{type(e).__name__}: {e}"
-
-
 # --- the three methods: save(state, dir), load(target, dir) -------------------
 
 def tc_save(state, path):
@@ -107,19 +97,6 @@ def tc_save(state, path):
 
 def tc_load(target, path):
     tensorckpt.load(target, path)
-
-
-def torch_save(state, path):
-    os.makedirs(path)
-    with open(os.path.join(path, "ckpt.pt"), "wb") as f:
-        torch.save(state, f)
-        f.flush()
-        os.fsync(f.fileno())
-    fd = os.open(path, os.O_RDONLY)  # make the new directory entry durable too
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def torch_load(target, path):

@@ -30,19 +30,7 @@ import time
 import torch
 
 import tensorckpt
-
-
-def torch_save(state, path):
-    os.makedirs(path)
-    with open(os.path.join(path, "ckpt.pt"), "wb") as f:
-        torch.save(state, f)
-        f.flush()
-        os.fsync(f.fileno())
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+from common import drop_caches, torch_save
 
 
 MEMORY_PROBE = r"""
@@ -73,21 +61,13 @@ print(json.dumps({"size": size, "peak_over_base": peak - base, "seconds": dt}))
 """
 
 
-def drop_caches() -> None:
-    os.sync()
-    try:
-        with open("/proc/sys/vm/drop_caches", "w") as f:
-            f.write("3\n")
-    except OSError:
-        pass
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--tensors", type=int, default=5000)
     ap.add_argument("--numel", type=int, default=4096)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--dir", default=None)
+    ap.add_argument("--load-mib", type=int, default=1024, help="size of the load-memory checkpoint (default 1024)")
     args = ap.parse_args()
     scratch = tempfile.mkdtemp(prefix="tensorckpt-bench-small-", dir=args.dir)
     try:
@@ -109,8 +89,8 @@ def main() -> None:
             print(f"save {k:<11} median {med[k]:.3f} s   each: " + " ".join(f"{x:.3f}" for x in v))
         print(f"save time tensorckpt / torch.save: x{med['tensorckpt'] / med['torch.save']:.2f} (target <= 2)")
 
-        # peak memory of a load: ~1 GiB in 256 tensors of 4 MiB
-        n, numel = 256, 1 << 20
+        # peak memory of a load: --load-mib in tensors of 4 MiB
+        n, numel = max(1, args.load_mib // 4), 1 << 20
         big = {f"t{i}": torch.full((numel,), float(i)) for i in range(n)}
         for name, fn in (("tensorckpt", tensorckpt.save), ("torch.save", torch_save)):
             fn(big, os.path.join(scratch, f"big-{name}"))
