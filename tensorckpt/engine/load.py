@@ -11,6 +11,7 @@ makes the same strict decision); none for the data.
 
 from __future__ import annotations
 
+import collections
 import time
 import warnings
 from collections.abc import MutableMapping
@@ -29,6 +30,9 @@ from ..format import dtypes
 from ..layout.boxes import Box, bytes_fetched
 from ..storage import location
 from .group import Group, capture, reraise
+
+
+IN_FLIGHT_BYTES = 128 << 20  # reads issued ahead of the oldest unfinished one
 
 
 @dataclass
@@ -130,11 +134,26 @@ def load(
 
 
 def _read_into(ckpt: Checkpoint, targets: dict[str, tuple[torch.Tensor, Box]], stats: LoadStats) -> None:
-    """Issue every read at once, each into the target's own memory when it is a
-    CPU tensor numpy can view; otherwise into a buffer, then copied."""
+    """Read every target box, straight into the target's memory when it is a
+    CPU tensor numpy can view, else into a buffer that is copied over as soon
+    as its read is done. Reads are issued ahead up to ``IN_FLIGHT_BYTES``, so
+    buffers (ours and TensorStore's) stay bounded whatever the state's size."""
     t0 = time.perf_counter()
     srcs = ckpt.open_arrays(list(targets))
-    pending, copies = [], []
+    pending: collections.deque = collections.deque()
+    in_flight, copy_seconds = 0, 0.0
+
+    def finish_oldest() -> None:
+        nonlocal in_flight, copy_seconds
+        key, fut, nbytes, t, buf = pending.popleft()
+        wait(ckpt.path, key, fut)
+        in_flight -= nbytes
+        if buf is not None:
+            c = time.perf_counter()
+            with torch.no_grad():
+                t.copy_(dtypes.from_numpy(buf, dtypes.for_torch(t.dtype)))
+            copy_seconds += time.perf_counter() - c
+
     for key, (t, box) in targets.items():
         e = ckpt.index.tensors[key]
         itemsize = dtypes.BY_TORCH[e.dtype].itemsize
@@ -145,21 +164,20 @@ def _read_into(ckpt: Checkpoint, targets: dict[str, tuple[torch.Tensor, Box]], s
         stats.per_tensor[key] = (need, got)
         if box.numel == 0:
             continue
+        while pending and in_flight + got > IN_FLIGHT_BYTES:
+            finish_oldest()
+        buf = None
         if t.device.type == "cpu" and not t.requires_grad and not t.is_conj() and not t.is_neg():
             dst = dtypes.to_numpy(t)
         else:
-            dst = np.empty(tuple(t.shape), dtype=dtypes.for_torch(t.dtype).numpy)
-            copies.append((t, dst))
+            dst = buf = np.empty(tuple(t.shape), dtype=dtypes.for_torch(t.dtype).numpy)
         src = srcs[key][box.slices()] if box.shape else srcs[key]
-        pending.append((key, ts.array(dst, copy=False, write=True).write(src)))
-    for key, fut in pending:
-        wait(ckpt.path, key, fut)
-    t1 = time.perf_counter()
-    stats.seconds["read"] = t1 - t0
-    with torch.no_grad():
-        for t, buf in copies:
-            t.copy_(dtypes.from_numpy(buf, dtypes.for_torch(t.dtype)))
-    stats.seconds["copy"] = time.perf_counter() - t1
+        pending.append((key, ts.array(dst, copy=False, write=True).write(src), got, t, buf))
+        in_flight += got
+    while pending:
+        finish_oldest()
+    stats.seconds["read"] = time.perf_counter() - t0 - copy_seconds
+    stats.seconds["copy"] = copy_seconds
 
 
 def _list(keys: list[str], limit: int = 20) -> str:
