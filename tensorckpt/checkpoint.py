@@ -13,6 +13,7 @@ TensorStore decodes the chunks and verifies every CRC-32C; its errors become
 
 from __future__ import annotations
 
+import itertools
 import math
 import os
 import re
@@ -34,6 +35,7 @@ from .errors import (
 from .format import dtypes
 from .format.keys import flat_key, split_flat_key
 from .format.metadata import RootMetadata, TensorEntry, loads, parse_root
+from .layout.boxes import Box
 from .storage import arrays, commit, kv, location
 
 # A read up to this size is allocated at once; a larger one first checks that
@@ -122,6 +124,7 @@ class Checkpoint:
         self.location = location.parse(path)
         self._meta = _root if _root is not None else read_root(self.location)
         self._arrays: dict[str, ts.TensorStore] = {}
+        self._plain_dirs: set[str] = set()  # local directories found to be real directories, not links
 
     # -- metadata
     @property
@@ -167,6 +170,7 @@ class Checkpoint:
         d = dtypes.BY_TORCH[e.dtype]
         shape = tuple(arr.shape)
         self._check_backed(k, math.prod(shape) * d.itemsize)
+        self.check_objects(k, tuple(range(n.inclusive_min, n.exclusive_max) for n in arr.domain))
         out = np.empty(shape, dtype=d.numpy)
         self.read_into(k, arr, out)
         return dtypes.from_numpy(out, d)
@@ -207,6 +211,51 @@ class Checkpoint:
             except ValueError as err:
                 raise CorruptCheckpointError(f"{where}: an array with this metadata cannot be opened ({short(err)})") from None
         return {k: self._arrays[k] for k in keys}
+
+    def check_objects(self, key: str, region) -> None:
+        """Before TensorStore opens them: the stored objects of tensor ``key``
+        that a read of ``region`` (a Box, or one ``range`` per dimension) will
+        open, and every directory above them, are plain files and directories
+        on a local checkpoint. TensorStore follows links (out of the
+        checkpoint) and blocks forever on a FIFO; a writer makes neither."""
+        if not self.location.is_local:
+            return
+        e = self._meta.tensors[key]
+        if isinstance(region, Box):
+            region = tuple(range(o, o + n) for o, n in zip(region.offset, region.shape))
+        if any(len(r) == 0 for r in region):
+            return
+        spans = [range(r.start // c, (r.stop - 1) // c + 1) for r, c in zip(region, e.chunk_shape)]
+        if math.prod(len(s) for s in spans) > 4096:  # many objects: one listing, proportional to what is stored
+            bad = [p for p, size in self.chunk_objects(key).items() if size is None]
+            if bad:
+                raise CorruptCheckpointError(
+                    f"{self.path}/{key}/{arrays.chunk_key(bad[0])}: not a regular file (a link, FIFO or device; "
+                    f"a writer makes none); tensor {key!r}"
+                )
+            return
+        for pos in itertools.product(*spans):
+            rel = "/".join((key, arrays.chunk_key(pos)))
+            parts = rel.split("/")
+            for i in range(1, len(parts)):
+                d = "/".join(parts[:i])
+                if d not in self._plain_dirs:
+                    self._lstat_is(d, stat.S_ISDIR, key)
+                    self._plain_dirs.add(d)
+            self._lstat_is(rel, stat.S_ISREG, key)
+
+    def _lstat_is(self, rel: str, kind, key: str) -> None:
+        try:
+            mode = os.lstat(os.path.join(self.location.path, rel)).st_mode
+        except FileNotFoundError:
+            return  # a missing object is TensorStore's to report
+        except OSError as e:
+            raise CorruptCheckpointError(f"{self.path}/{rel}: cannot be examined ({e.strerror}); tensor {key!r}") from None
+        if not kind(mode):
+            what = "directory" if kind is stat.S_ISDIR else "regular file"
+            raise CorruptCheckpointError(
+                f"{self.path}/{rel}: not a {what} (a link, FIFO or device; a writer makes none); tensor {key!r}"
+            )
 
     def chunk_objects(self, key: str) -> dict[tuple[int, ...], int | None]:
         """The chunk objects stored for tensor ``key``: grid position -> size

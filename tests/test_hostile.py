@@ -375,3 +375,38 @@ def test_nothing_is_unpickled(tmp_path, monkeypatch):
     assert torch.equal(out["model"]["b"], STATE["model"]["b"])
     assert inspect(str(p), out=io.StringIO()) == 0
     assert tensorckpt.verify(p).ok
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("plant", ["fifo", "link-outside", "linked-dir"])
+def test_read_and_load_refuse_planted_chunk_objects(tmp_path, plant):
+    """read(), to_state_dict() and load() check the stored objects they will
+    open: a FIFO would block TensorStore forever, a link leads out of the
+    checkpoint (a file or a whole chunk directory elsewhere)."""
+    p = tmp_path / "c"
+    tensorckpt.save(STATE, p)
+    cdir = p / "model" / "w" / "c"
+    chunk = next(f for f in sorted(cdir.rglob("*")) if f.is_file())
+    if plant == "fifo":
+        chunk.unlink()
+        os.mkfifo(chunk)
+    elif plant == "link-outside":
+        outside = tmp_path / "secret"
+        outside.write_bytes(chunk.read_bytes())
+        chunk.unlink()
+        chunk.symlink_to(outside)
+    else:
+        moved = tmp_path / "elsewhere"
+        cdir.rename(moved)
+        cdir.symlink_to(moved, target_is_directory=True)
+    with pytest.raises(CorruptCheckpointError, match="not a (regular file|directory).*model/w"):
+        tensorckpt.open(p).read("model/w")
+    with pytest.raises(CorruptCheckpointError, match="model/w"):
+        tensorckpt.open(p).to_state_dict()
+    with pytest.raises(CorruptCheckpointError, match="model/w"):
+        tensorckpt.load(_zeros_like_state(STATE), p)
+
+
+def _zeros_like_state(state):
+    return {k: _zeros_like_state(v) if isinstance(v, dict) else (torch.zeros_like(v) if isinstance(v, torch.Tensor) else v)
+            for k, v in state.items()}

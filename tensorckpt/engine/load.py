@@ -164,6 +164,7 @@ def _read_into(ckpt: Checkpoint, targets: dict[str, tuple[torch.Tensor, Box]], s
         stats.per_tensor[key] = (need, got)
         if box.numel == 0:
             continue
+        ckpt.check_objects(key, box)
         while pending and in_flight + got > IN_FLIGHT_BYTES:
             finish_oldest()
         buf = None
