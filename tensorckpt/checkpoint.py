@@ -165,12 +165,14 @@ class Checkpoint:
             return self._meta.values[k]
         e = self._entry(k)
         arr = self.array(k)
+        norm = _normalize_index(index, e.shape, f"{self.path}: tensor {k!r}") if index is not None else ()
         if index is not None:
-            arr = arr[_normalize_index(index, e.shape, f"{self.path}: tensor {k!r}")]
+            arr = arr[norm]
         d = dtypes.BY_TORCH[e.dtype]
         shape = tuple(arr.shape)
         self._check_backed(k, math.prod(shape) * d.itemsize)
-        self.check_objects(k, tuple(range(n.inclusive_min, n.exclusive_max) for n in arr.domain))
+        region = tuple(range(ix, ix + 1) if isinstance(ix, int) else range(ix.start, ix.stop) for ix in norm)
+        self.check_objects(k, region + tuple(range(n) for n in e.shape[len(norm):]))
         out = np.empty(shape, dtype=d.numpy)
         self.read_into(k, arr, out)
         return dtypes.from_numpy(out, d)
