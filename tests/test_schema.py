@@ -298,3 +298,120 @@ def test_equivalent_zarr_defaults_are_accepted(good_docs):
     assert bf16["data_type"] == "bfloat16" and _errors(ARRAY, bf16) == []
     _shard(bf16)["codecs"][0].pop("configuration")
     assert _errors(ARRAY, bf16)
+
+
+# ------------------------------------------- training state (training-state.md, rng-and-data.md)
+
+TS_SCHEMA = json.loads((SPEC / "schema" / "training-state-v1.schema.json").read_text())
+GOLDEN_TS = SPEC.parent / "conformance" / "golden" / "v1" / "training_state" / "checkpoint" / "zarr.json"
+
+
+def _ts(name: str) -> Draft202012Validator:
+    """A validator for ``$defs/<name>`` of the training-state schema."""
+    return Draft202012Validator({**TS_SCHEMA, "$ref": f"#/$defs/{name}"})
+
+
+def _under(meta: dict, key: str, kind: str) -> dict:
+    """``meta[kind]`` ("values" or "tensors") under object key ``key``, by the rest of the flat key."""
+    return {k[len(key) + 1:]: v for k, v in meta[kind].items() if k.startswith(key + "/")}
+
+
+def _check_training_state(meta: dict, pairs=(), non_finite=()) -> None:
+    """optim/, data/ and rng/ of a root index, and the scheduler members ``pairs`` (values)
+    and ``non_finite`` (tensors), conform to their $defs."""
+    parts = {
+        "optimizerValues": _under(meta, "optim", "values"),
+        "optimizerTensors": _under(meta, "optim", "tensors"),
+        "samplerValues": _under(meta, "data", "values"),
+        "rngTensors": _under(meta, "rng", "tensors"),
+    }
+    checks = [*parts.items(), *(("schedulerPairs", meta["values"][k]) for k in pairs),
+              *(("schedulerNonFiniteFloat", meta["tensors"][k]) for k in non_finite)]
+    for name, doc in checks:
+        assert _errors(_ts(name), doc) == [], name
+    assert parts["optimizerTensors"] and not _under(meta, "data", "tensors") and not _under(meta, "rng", "values")
+
+
+def test_training_state_schema_is_valid_draft_2020_12():
+    Draft202012Validator.check_schema(TS_SCHEMA)
+
+
+def test_training_state_golden_conforms():
+    doc = json.loads(GOLDEN_TS.read_bytes())
+    assert _errors(ROOT, doc) == []
+    meta = doc["attributes"]["tensorckpt"]
+    assert not _under(meta, "sched", "tensors")  # MultiStepLR: nothing that is not finite
+    _check_training_state(meta, pairs=["sched/milestones"])
+
+
+def test_fresh_training_state_conforms(tmp_path):
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.ReLU(), torch.nn.Linear(4, 1))
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2)
+    plateau = torch.optim.lr_scheduler.ReduceLROnPlateau(opt)  # best = inf: a 0-d float64 tensor
+    sampler = tensorckpt.ResumableSampler(10, seed=5)
+    sampler.advance(3)
+    model(torch.ones(2, 3)).sum().backward()
+    opt.step()
+    sched.step()
+    state = {"model": model, "optim": opt, "sched": sched, "plateau": plateau, "data": sampler, "rng": tensorckpt.rng_state()}
+    tensorckpt.save(state, tmp_path / "ckpt")
+    doc = json.loads((tmp_path / "ckpt" / "zarr.json").read_bytes())
+    assert _errors(ROOT, doc) == []
+    meta = doc["attributes"]["tensorckpt"]
+    assert not _under(meta, "sched", "tensors") and sorted(_under(meta, "plateau", "tensors")) == ["best", "mode_worse"]
+    assert meta["values"]["data/rank/0/consumed"] == 3 and meta["values"]["optim/state/0.weight/step"] == 1.0
+    _check_training_state(meta, non_finite=["plateau/best", "plateau/mode_worse"])
+
+
+def _golden_ts_parts() -> dict:
+    meta = json.loads(GOLDEN_TS.read_bytes())["attributes"]["tensorckpt"]
+    return {
+        "optimizerValues": _under(meta, "optim", "values"),
+        "samplerValues": _under(meta, "data", "values"),
+        "rngTensors": _under(meta, "rng", "tensors"),
+        "schedulerPairs": meta["values"]["sched/milestones"],
+        "schedulerNonFiniteFloat": {"dtype": "float64", "data_type": "float64", "shape": [], "chunk_shape": [], "inner_chunk_shape": []},
+    }
+
+
+def _group(v):
+    return v["param_groups"][0]
+
+
+BROKEN_TRAINING_STATE = {
+    "param_groups with integer params ids": ("optimizerValues", lambda v: _group(v).update(params=[0, 1, 2, 3])),
+    "param_groups stores param_names": ("optimizerValues", lambda v: _group(v).update(param_names=_group(v)["params"])),
+    "param group without params": ("optimizerValues", lambda v: _group(v).pop("params")),
+    "no param_groups": ("optimizerValues", lambda v: v.pop("param_groups")),
+    "state/<fqn> value not {}": ("optimizerValues", lambda v: v.update({"state/0.bias": {"step": 2.0}})),
+    "optimizer key outside the table": ("optimizerValues", lambda v: v.update({"defaults": {}})),
+    "sampler with negative epoch": ("samplerValues", lambda v: v.update(epoch=-1)),
+    "consumed not an integer": ("samplerValues", lambda v: v.update({"rank/0/consumed": 4.5})),
+    "consumed a string": ("samplerValues", lambda v: v.update({"rank/0/consumed": "4"})),
+    "no count for rank 0": ("samplerValues", lambda v: v.pop("rank/0/consumed")),
+    "sampler version 2": ("samplerValues", lambda v: v.update(version=2)),
+    "seed 2^64": ("samplerValues", lambda v: v.update(seed=2**64)),
+    "shuffle not a boolean": ("samplerValues", lambda v: v.update(shuffle=1)),
+    "world 0": ("samplerValues", lambda v: v.update(world=0)),
+    "segment without counts": ("samplerValues", lambda v: v.update(segments=[[2]])),
+    "segment with a negative count": ("samplerValues", lambda v: v.update(segments=[[2, [1, -1]]])),
+    "rng torch as int64": ("rngTensors", lambda t: t["torch"].update(dtype="int64", data_type="int64")),
+    "rng numpy 624 wide": ("rngTensors", lambda t: t["numpy"].update(shape=[1, 624])),
+    "rng python without the rank dimension": ("rngTensors", lambda t: t["python"].update(shape=[628])),
+    "rng without python": ("rngTensors", lambda t: t.pop("python")),
+    "rng member outside the table": ("rngTensors", lambda t: t.update(mps=t["torch"])),
+    "milestones with string keys": ("schedulerPairs", lambda v: v.__setitem__(slice(None), [["2", 1], ["4", 1]])),
+    "milestones pair of 3": ("schedulerPairs", lambda v: v[0].append(0)),
+    "non-finite float as float32": ("schedulerNonFiniteFloat", lambda e: e.update(dtype="float32", data_type="float32")),
+    "non-finite float 1-D": ("schedulerNonFiniteFloat", lambda e: e.update(shape=[1], chunk_shape=[1], inner_chunk_shape=[1])),
+}
+
+
+@pytest.mark.parametrize("name", sorted(BROKEN_TRAINING_STATE))
+def test_broken_training_state_fails(name):
+    kind, mutate = BROKEN_TRAINING_STATE[name]
+    doc = _golden_ts_parts()[kind]
+    assert _errors(_ts(kind), doc) == []
+    mutate(doc)
+    assert _errors(_ts(kind), doc), f"{name}: accepted"
