@@ -13,10 +13,9 @@ One spawn of 4 workers runs every case, with save() and with async_save():
                columns 4/3/3 and a 1-D 4/3/3 split, over the subgroup of
                global ranks 1, 2, 3 (group ranks differ from global ones)
 
-The subgroup is created after the default group's async saves: in torch 2.13
-with gloo, creating async_save's background group (use_local_synchronization)
-hangs once its members have created different sets of groups before (a
-group excluding some of them).
+Async saves over the subgroup pass a background group created by every
+process (async_save's background_group): torch 2.13 cannot create one for a
+subgroup without every process taking part.
 
 Each checkpoint is loaded back at world 4 as whole tensors, by torch.chunk
 rows and by reversed np.array_split columns, every element checked. The
@@ -143,12 +142,12 @@ def _count_exchanges() -> None:
     Group.all_to_all = counting
 
 
-def save_case(name: str, state: dict, path: str, group=None) -> tuple[str | None, int]:
+def save_case(name: str, state: dict, path: str, group=None, bg=None) -> tuple[str | None, int]:
     """Save (sync or async, by the case's name); (error, all-to-alls made)."""
     before = len(_EXCHANGES)
     try:
         if name.endswith("_async"):
-            tensorckpt.async_save(state, path, process_group=group).wait()
+            tensorckpt.async_save(state, path, process_group=group, background_group=bg).wait()
         else:
             tensorckpt.save(state, path, process_group=group)
         err = None
@@ -207,10 +206,17 @@ def worker(rank: int, world: int, base: str) -> dict:
     save_mod._pack = real_pack
 
     sub = tdist.new_group(SUB)
+    sub_bg = tdist.new_group(SUB, backend="gloo")
+    sub2 = tdist.new_group(SUB)
     if rank in SUB:
         for name in CASES[4:]:
             state = rows3_state(SUB.index(rank))
-            out["errors"][name], out["exchanges"][name] = save_case(name, state, f"{base}/{name}", sub)
+            out["errors"][name], out["exchanges"][name] = save_case(name, state, f"{base}/{name}", sub, sub_bg)
+        try:  # without a background group over a subgroup: a clear error on every member, no hang
+            tensorckpt.async_save(rows3_state(SUB.index(rank)), f"{base}/no_bg", process_group=sub2).wait()
+            out["no_bg"] = None
+        except tensorckpt.TensorckptError as e:
+            out["no_bg"] = str(e)
     tdist.barrier()
 
     flat = {k: (s, torch.float32) for k, s in IRREGULAR.items() if k != "dt"}
@@ -294,3 +300,9 @@ def test_a_rank_failing_before_the_exchange_fails_every_rank(runs):
     assert all(e is not None and "boom while packing" in e for e in errors), errors
     with pytest.raises(tensorckpt.CheckpointNotFoundError):
         tensorckpt.open(f"{base}/failing")
+
+
+def test_async_save_over_a_subgroup_asks_for_a_background_group(runs):
+    res = runs[1]
+    for rank in SUB:
+        assert "background_group" in res[rank]["no_bg"] and "new_group" in res[rank]["no_bg"]

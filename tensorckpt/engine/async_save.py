@@ -114,6 +114,7 @@ def async_save(
     overwrite: bool = False,
     on_busy: str = "wait",
     on_durable: Callable[[SaveHandle], None] | None = None,
+    background_group=None,
     **options,
 ) -> SaveHandle:
     """Save ``state`` like :func:`tensorckpt.save`, returning as soon as its
@@ -126,6 +127,11 @@ def async_save(
     or raises (``on_busy="raise"``); if it failed and its handle was never
     waited on, this call raises that failure. ``on_durable(handle)`` runs in
     the background once the checkpoint is committed.
+
+    Over a subgroup (``process_group`` not spanning every process), pass
+    ``background_group``: a gloo group over the same ranks, created once by
+    every process (``torch.distributed.new_group(ranks, backend="gloo")``).
+    torch cannot create one for a subgroup without every process taking part.
     """
     t_call = time.perf_counter()
     check_options(options)
@@ -146,7 +152,7 @@ def async_save(
         if previous._error is not None and not seen:
             previous._observed = True
             raise TensorckptError(f"the previous async save to {previous.path} failed: {previous._error}") from previous._error
-    bg = _background_group(slot, g)
+    bg = _background_group(slot, g, background_group)
 
     stats = SaveStats()
     staged, failed = None, None
@@ -211,24 +217,37 @@ def _slot(process_group) -> object:
     return process_group if process_group is not None else "default"
 
 
-def _background_group(slot, g: Group) -> Group:
+def _background_group(slot, g: Group, given) -> Group:
     """A gloo group over the same ranks, for the background thread's
-    collectives (created once per group, collectively, on the caller's
-    thread). Over the whole world every process takes part in creating it
-    (``new_group``'s rule); for a subgroup only its members do
-    (``use_local_synchronization``)."""
+    collectives, so they never interleave with training's on ``g``. Over the
+    whole world it is created here, once, by every process (``new_group``'s
+    rule); for a subgroup the caller passes one (``background_group``):
+    creating it with ``use_local_synchronization`` hangs in torch 2.13 once
+    other groups exist."""
     if not g.distributed:
         return g
     bg = _GROUPS.get(slot)
-    if bg is None:
-        world = dist.get_world_size()
-        ranks = dist.get_process_group_ranks(g.pg) if g.pg is not None else list(range(world))
-        if len(ranks) == world:  # every process calls: the plain collective form
-            pg = dist.new_group(backend="gloo")
-        else:  # only the subgroup's members call this
-            pg = dist.new_group(ranks=ranks, backend="gloo", use_local_synchronization=True)
-        bg = Group(pg)
-        _GROUPS[slot] = bg
+    if bg is not None and (given is None or bg.pg is given):
+        return bg
+    world = dist.get_world_size()
+    ranks = dist.get_process_group_ranks(g.pg) if g.pg is not None else list(range(world))
+    if given is not None:
+        if given is g.pg or dist.get_process_group_ranks(given) != ranks:
+            raise TensorckptError(
+                f"async_save(background_group=...) must be a group of its own over the same ranks as "
+                f"process_group ({ranks}), got one over {dist.get_process_group_ranks(given)}"
+                + (" (the same group)" if given is g.pg else "")
+            )
+        bg = Group(given)
+    elif len(ranks) == world:  # every process calls: the plain collective form
+        bg = Group(dist.new_group(backend="gloo"))
+    else:
+        raise TensorckptError(
+            f"async_save over a subgroup (ranks {ranks}) needs a process group of its own for its background "
+            "collectives: create one once on every process, bg = torch.distributed.new_group(ranks, "
+            "backend='gloo'), and pass background_group=bg (or use save())"
+        )
+    _GROUPS[slot] = bg
     return bg
 
 
