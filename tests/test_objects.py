@@ -319,3 +319,12 @@ def test_missing_object_in_checkpoint(mem_url):
 
 def test_register_adapter_is_public():
     assert tensorckpt.register_adapter is registry.register
+
+
+def test_optimizer_state_entry_holding_tensors_is_refused(tmp_path):
+    model = torch.nn.Linear(2, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    opt.state[model.weight]["extra"] = {"a": 1, "b": torch.tensor(2.0)}
+    with pytest.raises(tensorckpt.UnsupportedValueError, match="weight.*extra.*dict holding tensors"):
+        tensorckpt.save({"model": model, "optim": opt}, tmp_path / "c")
+    assert not (tmp_path / "c").exists()

@@ -100,6 +100,13 @@ class OptimizerAdapter:
         state = {}
         for fqn, p in chain.from_iterable(groups):
             if opt.state.get(p):
+                for k, v in opt.state[p].items():
+                    if isinstance(v, Mapping) and any(isinstance(x, torch.Tensor) for x in _leaves(v)):
+                        raise UnsupportedValueError(
+                            f"optimizer state {fqn!r}/{k!r} is a dict holding tensors; the spec stores each state "
+                            "entry as one tensor or one JSON value (spec/training-state.md 4.2). Flatten it into "
+                            "separate entries, or register an adapter for this optimizer"
+                        )
                 state[fqn] = {k: _scalar_as_data(v, p) for k, v in opt.state[p].items()}
         param_groups = [
             {**{k: _scalar_as_data(v) for k, v in g.items() if k not in ("params", "param_names")},
@@ -206,6 +213,17 @@ def _state_target(opt, p: torch.Tensor, name: str, entry: TensorEntry, path) -> 
     if entry.shape == tuple(p.shape):
         return torch.zeros_like(p.detach(), dtype=dtype)  # a DTensor shard for a DTensor parameter
     return torch.zeros(entry.shape, dtype=dtype, device=p.device)
+
+
+def _leaves(value):
+    if isinstance(value, Mapping):
+        for v in value.values():
+            yield from _leaves(v)
+    elif isinstance(value, (list, tuple)):
+        for v in value:
+            yield from _leaves(v)
+    else:
+        yield value
 
 
 def _scalar_as_data(value, p: torch.Tensor | None = None):
