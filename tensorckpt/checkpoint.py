@@ -35,7 +35,7 @@ from .errors import (
 from .format import dtypes
 from .format.keys import flat_key, split_flat_key
 from .format.metadata import RootMetadata, TensorEntry, loads, parse_root
-from .layout.boxes import Box
+from .layout.boxes import Box, chunk_ranges
 from .storage import arrays, commit, kv, location
 
 # A read up to this size is allocated at once; a larger one first checks that
@@ -171,8 +171,10 @@ class Checkpoint:
         d = dtypes.BY_TORCH[e.dtype]
         shape = tuple(arr.shape)
         self._check_backed(k, math.prod(shape) * d.itemsize)
-        region = tuple(range(ix, ix + 1) if isinstance(ix, int) else range(ix.start, ix.stop) for ix in norm)
-        self.check_objects(k, region + tuple(range(n) for n in e.shape[len(norm):]))
+        rest = e.shape[len(norm):]  # the region read, in the array's coordinates (an int keeps its dimension)
+        lo = tuple(ix if isinstance(ix, int) else ix.start for ix in norm) + (0,) * len(rest)
+        hi = tuple(ix + 1 if isinstance(ix, int) else ix.stop for ix in norm) + rest
+        self.check_objects(k, Box(lo, tuple(h - l for l, h in zip(lo, hi))))
         out = np.empty(shape, dtype=d.numpy)
         self.read_into(k, arr, out)
         return dtypes.from_numpy(out, d)
@@ -206,28 +208,23 @@ class Checkpoint:
                 raise CorruptCheckpointError(f"{where}: missing; the index lists tensor {k!r} but its array metadata is not stored")
             e = self._meta.tensors[k]
             check_array_metadata(loads(data, where), e, where)
-            spec = {"driver": "zarr3", "kvstore": self.location.kvstore(k), "metadata": arrays.zarr_metadata(e),
-                    "assume_metadata": True, "fill_missing_data_reads": False}
             try:
-                self._arrays[k] = ts.open(spec, context=location.CONTEXT, read=True).result()
+                self._arrays[k] = arrays.open_read(self.location, k, e).result()
             except ValueError as err:
                 raise CorruptCheckpointError(f"{where}: an array with this metadata cannot be opened ({short(err)})") from None
         return {k: self._arrays[k] for k in keys}
 
-    def check_objects(self, key: str, region) -> None:
+    def check_objects(self, key: str, region: Box) -> None:
         """Before TensorStore opens them: the stored objects of tensor ``key``
-        that a read of ``region`` (a Box, or one ``range`` per dimension) will
-        open, and every directory above them, are plain files and directories
+        that a read of ``region`` will open, and every directory above them, are plain files and directories
         on a local checkpoint. TensorStore follows links (out of the
         checkpoint) and blocks forever on a FIFO; a writer makes neither."""
         if not self.location.is_local:
             return
         e = self._meta.tensors[key]
-        if isinstance(region, Box):
-            region = tuple(range(o, o + n) for o, n in zip(region.offset, region.shape))
-        if any(len(r) == 0 for r in region):
+        spans = chunk_ranges(region, e.chunk_shape, e.shape)
+        if math.prod(len(s) for s in spans) == 0:
             return
-        spans = [range(r.start // c, (r.stop - 1) // c + 1) for r, c in zip(region, e.chunk_shape)]
         if math.prod(len(s) for s in spans) > 4096:  # many objects: one listing, proportional to what is stored
             bad = [p for p, size in self.chunk_objects(key).items() if size is None]
             if bad:

@@ -23,7 +23,6 @@ skips planning.
 from __future__ import annotations
 
 import datetime
-import itertools
 import os
 import time
 from collections.abc import Mapping
@@ -39,7 +38,7 @@ from ..errors import TensorckptError, UnsupportedValueError
 from ..format import dtypes
 from ..format.metadata import RootMetadata, check_value, dumps, root_group_json
 from ..layout import grid
-from ..layout.boxes import Box
+from ..layout.boxes import Box, read_plan
 from ..layout.plan import LocalItem, LocalPlan, SavePlan, build_save_plan, merge_values, plan_bytes
 from ..storage import arrays, commit, kv, location
 from .group import Group, capture, reraise
@@ -302,7 +301,7 @@ def _assemble(region: Box, t: torch.Tensor, held: Box, pieces: list) -> torch.Te
     """The data of ``region`` (a chunk this rank writes): its own part from
     ``t`` (its box ``held``, on the host) and the received ``pieces``. The
     plan's pieces and the own part tile the chunk exactly."""
-    if _inside(region, held):
+    if region.intersect(held) == region:  # inside this rank's own box
         return t[region.relative_to(held).slices()]
     out = torch.empty(region.shape, dtype=t.dtype)
     own = region.intersect(held)
@@ -312,10 +311,6 @@ def _assemble(region: Box, t: torch.Tensor, held: Box, pieces: list) -> torch.Te
         if box.intersect(region) is not None:
             out[box.relative_to(region).slices()] = part
     return out
-
-
-def _inside(inner: Box, outer: Box) -> bool:
-    return all(o <= i and ie <= oe for i, ie, o, oe in zip(inner.offset, inner.end, outer.offset, outer.end))
 
 
 # ----------------------------------------------------------------- write
@@ -359,7 +354,8 @@ def _write_local(
                 encoded[f"{key}/{arrays.chunk_key(small[key, box])}"] = arrays.encode_whole_chunk(plan.entries[key], data)
             else:  # one write per stored object: a failure settles only once all are done
                 arr = opened[key].result()
-                writes += [(key, arr[cell].write(data[rel])) for cell, rel in _objects_of(box, plan.entries[key].chunk_shape)]
+                e = plan.entries[key]
+                writes += [(key, arr[p.src.slices()].write(data[p.dst.slices()])) for p in read_plan(e.shape, e.chunk_shape, box)]
         small_write = kv.write_many_async(loc, encoded)
     finally:
         failure = _settle(loc, writes, opened, meta_write, small_write)
@@ -374,20 +370,6 @@ def _write_local(
         except OSError as e:
             raise TensorckptError(f"{loc}: making the written data durable failed: {e}") from e
     stats._phase("sync", t)
-
-
-def _objects_of(box: Box, chunk: tuple[int, ...]):
-    """(array slices, slices of the box's data) of each stored object the
-    chunk-aligned ``box`` covers."""
-    if not box.shape:
-        yield (), ()
-        return
-    per_dim = []
-    for o, e, c in zip(box.offset, box.end, chunk):
-        cuts = [o, *range((o // c + 1) * c, e, c), e]
-        per_dim.append([(slice(a, b), slice(a - o, b - o)) for a, b in zip(cuts, cuts[1:])])
-    for cell in itertools.product(*per_dim):
-        yield tuple(a for a, _ in cell), tuple(r for _, r in cell)
 
 
 def _settle(loc, writes, opened, meta_write, small_write) -> Exception | None:

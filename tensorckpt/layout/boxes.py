@@ -83,13 +83,18 @@ def box_arrays(boxes: list[Box], ndim: int) -> tuple[np.ndarray, np.ndarray]:
     return starts, sizes
 
 
-def chunks_in(box: Box, chunk: tuple[int, ...], shape: tuple[int, ...]):
-    """Grid indices of the chunks a box overlaps (clipped to the array)."""
-    ranges = [
+def chunk_ranges(box: Box, chunk: tuple[int, ...], shape: tuple[int, ...]) -> list[range]:
+    """Per dimension, the grid indices of the chunks a box overlaps (clipped
+    to the array)."""
+    return [
         range(o // c, -(-min(e, n) // c)) if s else range(0)
         for o, e, s, c, n in zip(box.offset, box.end, box.shape, chunk, shape)
     ]
-    return itertools.product(*ranges)
+
+
+def chunks_in(box: Box, chunk: tuple[int, ...], shape: tuple[int, ...]):
+    """Grid indices of the chunks a box overlaps (clipped to the array)."""
+    return itertools.product(*chunk_ranges(box, chunk, shape))
 
 
 def chunk_box(index: tuple[int, ...], chunk: tuple[int, ...], shape: tuple[int, ...]) -> Box:

@@ -70,11 +70,11 @@ def open_write(loc: Location, key: str, entry: TensorEntry) -> ts.Future:
 
 
 def open_read(loc: Location, key: str, entry: TensorEntry) -> ts.Future:
-    """Open array ``key`` for reading. Its ``zarr.json`` must match what the
-    index says tensorckpt wrote (TensorStore checks every member: shape, data
-    type, chunking, codecs incl. crc32c, attributes), and a missing chunk is an
-    error, never read as the fill value."""
-    spec = _spec(loc, key) | {"open": True, "metadata": zarr_metadata(entry), "fill_missing_data_reads": False}
+    """Open array ``key`` for reading, with the metadata its index entry
+    implies. The caller has checked the stored ``zarr.json`` against it
+    (checkpoint.check_array_metadata), so TensorStore never parses a stored
+    document; a missing chunk is an error, never read as the fill value."""
+    spec = _spec(loc, key) | {"metadata": zarr_metadata(entry), "assume_metadata": True, "fill_missing_data_reads": False}
     return ts.open(spec, context=CONTEXT, read=True)
 
 
