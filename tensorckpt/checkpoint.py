@@ -124,6 +124,7 @@ class Checkpoint:
         self.location = location.parse(path)
         self._meta = _root if _root is not None else read_root(self.location)
         self._arrays: dict[str, ts.TensorStore] = {}
+        self._checked: set[str] = set()  # arrays whose zarr.json agrees with the index
         self._plain_dirs: set[str] = set()  # local directories found to be real directories, not links
 
     # -- metadata
@@ -195,6 +196,20 @@ class Checkpoint:
         with the index (spec section 7). TensorStore gets the checked metadata
         and never reads the stored document."""
         todo = [k for k in keys if k not in self._arrays]
+        self.check_arrays(todo)
+        for k in todo:
+            where = f"{self.path}/{k}/zarr.json"
+            try:
+                self._arrays[k] = arrays.open_read(self.location, k, self._meta.tensors[k]).result()
+            except ValueError as err:
+                raise CorruptCheckpointError(f"{where}: an array with this metadata cannot be opened ({short(err)})") from None
+        return {k: self._arrays[k] for k in keys}
+
+    def check_arrays(self, keys) -> None:
+        """Check that every array's stored ``zarr.json`` agrees with its index
+        entry (spec section 7); raise :class:`CorruptCheckpointError` naming
+        the first that does not. Each array is checked once."""
+        todo = [k for k in keys if k not in self._checked]
         remote = todo and not self.location.is_local
         store = ts.KvStore.open(self.location.kvstore(), context=location.CONTEXT).result() if remote else None
         reads = {k: _start_read(self.location, store, f"{k}/zarr.json") for k in todo}
@@ -206,19 +221,17 @@ class Checkpoint:
                 raise CorruptCheckpointError(f"{where}: cannot be read ({short(e)})") from None
             if data is None:
                 raise CorruptCheckpointError(f"{where}: missing; the index lists tensor {k!r} but its array metadata is not stored")
-            e = self._meta.tensors[k]
-            check_array_metadata(loads(data, where), e, where)
-            try:
-                self._arrays[k] = arrays.open_read(self.location, k, e).result()
-            except ValueError as err:
-                raise CorruptCheckpointError(f"{where}: an array with this metadata cannot be opened ({short(err)})") from None
-        return {k: self._arrays[k] for k in keys}
+            check_array_metadata(loads(data, where), self._meta.tensors[k], where)
+            self._checked.add(k)
 
     def check_objects(self, key: str, region: Box) -> None:
         """Before TensorStore opens them: the stored objects of tensor ``key``
         that a read of ``region`` will open, and every directory above them, are plain files and directories
         on a local checkpoint. TensorStore follows links (out of the
-        checkpoint) and blocks forever on a FIFO; a writer makes neither."""
+        checkpoint) and blocks forever on a FIFO; a writer makes neither.
+        A file larger than its inner chunks and index can take is refused
+        too: TensorStore reads the span of the ranges it wants in one
+        allocation, which a forged sparse file makes abort the process."""
         if not self.location.is_local:
             return
         e = self._meta.tensors[key]
@@ -226,12 +239,8 @@ class Checkpoint:
         if math.prod(len(s) for s in spans) == 0:
             return
         if math.prod(len(s) for s in spans) > 4096:  # many objects: one listing, proportional to what is stored
-            bad = [p for p, size in self.chunk_objects(key).items() if size is None]
-            if bad:
-                raise CorruptCheckpointError(
-                    f"{self.path}/{key}/{arrays.chunk_key(bad[0])}: not a regular file (a link, FIFO or device; "
-                    f"a writer makes none); tensor {key!r}"
-                )
+            for pos, size in self.chunk_objects(key).items():
+                self._check_size(key, pos, size)
             return
         for pos in itertools.product(*spans):
             rel = "/".join((key, arrays.chunk_key(pos)))
@@ -241,20 +250,34 @@ class Checkpoint:
                 if d not in self._plain_dirs:
                     self._lstat_is(d, stat.S_ISDIR, key)
                     self._plain_dirs.add(d)
-            self._lstat_is(rel, stat.S_ISREG, key)
+            st = self._lstat_is(rel, stat.S_ISREG, key)
+            if st is not None:
+                self._check_size(key, pos, st.st_size)
 
-    def _lstat_is(self, rel: str, kind, key: str) -> None:
+    def _check_size(self, key: str, pos: tuple[int, ...], size: int | None) -> None:
+        where = f"{self.path}/{key}/{arrays.chunk_key(pos)}"
+        if size is None:
+            raise CorruptCheckpointError(f"{where}: not a regular file (a link, FIFO or device; a writer makes none); tensor {key!r}")
+        most = arrays.object_bytes_bounds(self._meta.tensors[key], pos)[1]
+        if size > most:
+            raise CorruptCheckpointError(
+                f"{where}: tensor {key!r}, chunk {pos}, is {size} bytes, more than its inner chunks and index "
+                f"can take ({most}): it is damaged or forged"
+            )
+
+    def _lstat_is(self, rel: str, kind, key: str) -> os.stat_result | None:
         try:
-            mode = os.lstat(os.path.join(self.location.path, rel)).st_mode
+            st = os.lstat(os.path.join(self.location.path, rel))
         except FileNotFoundError:
-            return  # a missing object is TensorStore's to report
+            return None  # a missing object is the reader's to report
         except OSError as e:
             raise CorruptCheckpointError(f"{self.path}/{rel}: cannot be examined ({e.strerror}); tensor {key!r}") from None
-        if not kind(mode):
+        if not kind(st.st_mode):
             what = "directory" if kind is stat.S_ISDIR else "regular file"
             raise CorruptCheckpointError(
                 f"{self.path}/{rel}: not a {what} (a link, FIFO or device; a writer makes none); tensor {key!r}"
             )
+        return st
 
     def chunk_objects(self, key: str) -> dict[tuple[int, ...], int | None]:
         """The chunk objects stored for tensor ``key``: grid position -> size

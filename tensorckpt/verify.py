@@ -31,7 +31,7 @@ from .checkpoint import Checkpoint, chunk_error, read_object
 from .errors import CorruptCheckpointError, IncompleteCheckpointError
 from .format import dtypes
 from .format.metadata import TensorEntry, loads
-from .storage import location
+from .storage import arrays, location
 
 BLOCK_BYTES = 16 << 20  # largest region read at once (an inner chunk larger than this is read alone)
 IN_FLIGHT = 4  # blocks read concurrently
@@ -146,10 +146,11 @@ def _check_tensor(ckpt: Checkpoint, key: str, report: VerifyReport, tick, block_
 
     for pos in sorted(stored):
         report.chunks += 1
-        size, need = stored[pos], _least_chunk_bytes(e, pos, d.itemsize)
-        if size is None or size < need:  # not read: a FIFO would block, a link leads outside
+        size, (need, most) = stored[pos], arrays.object_bytes_bounds(e, pos)
+        if size is None or not need <= size <= most:  # not read: a FIFO would block, a link leads outside
             what = "is not a regular file" if size is None else (
-                f"is {size} bytes, but its inner chunks and index need at least {need}: it is truncated")
+                f"is {size} bytes, but its inner chunks and index need at least {need}: it is truncated"
+                if size < need else f"is {size} bytes, more than its inner chunks and index can take ({most})")
             obj = _object(where, pos)
             report.problems.append(Problem("corrupt", obj, f"{obj}: tensor {key!r}, chunk {pos}, {what}"))
             continue
@@ -203,17 +204,6 @@ def _positions(grid: list[int]):
 
 def _object(where: str, pos: tuple[int, ...]) -> str:
     return f"{where}/c" + "".join(f"/{i}" for i in pos)
-
-
-def _least_chunk_bytes(e: TensorEntry, pos: tuple[int, ...], itemsize: int) -> int:
-    """The smallest a chunk object can be (spec section 7): every inner chunk
-    that intersects the array at full size plus its CRC-32C, then the index
-    (16 bytes per inner chunk, then a CRC-32C)."""
-    per_chunk = math.prod(c // i for c, i in zip(e.chunk_shape, e.inner_chunk_shape))
-    touching = 1
-    for p, c, i, s in zip(pos, e.chunk_shape, e.inner_chunk_shape, e.shape):
-        touching *= -(-(min(p * c + c, s) - p * c) // i)
-    return touching * (math.prod(e.inner_chunk_shape) * itemsize + 4) + 16 * per_chunk + 4
 
 
 def _blocks(lo: tuple[int, ...], hi: tuple[int, ...], inner: tuple[int, ...], itemsize: int, limit: int):

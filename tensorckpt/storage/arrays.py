@@ -78,6 +78,22 @@ def open_read(loc: Location, key: str, entry: TensorEntry) -> ts.Future:
     return ts.open(spec, context=CONTEXT, read=True)
 
 
+def object_bytes_bounds(entry: TensorEntry, pos: tuple[int, ...]) -> tuple[int, int]:
+    """The least and the most bytes the stored object at grid position ``pos``
+    can hold (spec section 7): every inner chunk that intersects the array,
+    encoded (elements + CRC-32C), then the index (16 bytes per inner chunk of
+    the shard, then a CRC-32C); at most every inner chunk of the shard. A
+    reader refuses an object outside these bounds before reading it."""
+    itemsize = dtypes.BY_TORCH[entry.dtype].itemsize
+    encoded = math.prod(entry.inner_chunk_shape) * itemsize + 4
+    per = math.prod(c // i for c, i in zip(entry.chunk_shape, entry.inner_chunk_shape))
+    touching = 1
+    for p, c, i, s in zip(pos, entry.chunk_shape, entry.inner_chunk_shape, entry.shape):
+        touching *= -(-(min(p * c + c, s) - p * c) // i)
+    index = 16 * per + 4
+    return touching * encoded + index, per * encoded + index
+
+
 # ----------------------------------------------------------------- small arrays
 #
 # A stored object that is one inner chunk (every tensor up to the inner chunk

@@ -1,0 +1,239 @@
+"""Reading a local checkpoint's chunks without TensorStore: load's fast path.
+
+Every array tensorckpt writes has the same codec chain (spec section 7):
+``sharding_indexed`` with inner chunks ``bytes`` (little-endian) + ``crc32c``
+and the shard index (``bytes`` + ``crc32c``) at the end of each stored object.
+For a checkpoint on a local file system, a read of a box here opens each
+stored object it overlaps, reads and checks its shard index, reads the inner
+chunks it needs with ``preadv`` into a reused buffer (contiguous ones in one
+call), checks each one's CRC-32C in hardware, and copies the wanted part
+straight into the target. The bytes and the checks are TensorStore's (the
+tests compare both readers on every dtype, layout and kind of damage); the
+CPU per byte is about a third: no intermediate chunk allocations, no
+software CRC.
+
+Nothing here trusts the stored object: its size, the index CRC, every
+index entry (offset, length == the inner chunk's encoded size, inside the
+object's data region) are checked before a byte of data is read; damage
+raises :class:`CorruptCheckpointError` naming the object, chunk and inner
+chunk. Objects are opened ``O_NOFOLLOW | O_NONBLOCK`` and must be regular
+files, so a link or a FIFO planted as a chunk neither escapes nor blocks.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import glob
+import math
+import os
+import stat
+import sys
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import numpy as np
+
+from ..errors import CorruptCheckpointError
+from ..format import dtypes
+from ..format.metadata import TensorEntry
+from ..layout.boxes import Box, chunk_box, chunk_ranges, read_plan
+from .arrays import object_bytes_bounds
+
+BUFFER_BYTES = 1 << 20  # largest single read (stays in the CPU cache for the check and copy that follow)
+THREADS = 4  # stored objects read at once: reads of one overlap the checks and copies of others
+MAX_INDEX_BYTES = 64 << 20  # larger shard indexes and inner chunks are left to TensorStore
+MAX_INNER_BYTES = 256 << 20
+_MISSING = 2**64 - 1  # an index entry (offset, length) of an inner chunk never written
+
+
+def _crc_function():
+    """google-crc32c's C function (hardware CRC-32C where the CPU has it),
+    called on memory addresses: its Python API only takes ``bytes``, which
+    would cost a copy per chunk."""
+    import google_crc32c
+
+    if google_crc32c.implementation != "c":
+        return None
+    libs = os.path.join(os.path.dirname(os.path.dirname(google_crc32c.__file__)), "google_crc32c.libs")
+    for candidate in sorted(glob.glob(os.path.join(libs, "libcrc32c*.so*"))) + ["libcrc32c.so.1"]:
+        try:
+            lib = ctypes.CDLL(candidate)
+        except OSError:
+            continue
+        fn = lib.crc32c_extend
+        fn.restype, fn.argtypes = ctypes.c_uint32, [ctypes.c_uint32, ctypes.c_void_p, ctypes.c_size_t]
+        return fn
+    return None
+
+
+_crc32c = _crc_function()
+
+
+def available(is_local: bool) -> bool:
+    """Whether reads of a checkpoint can take this path: local files, a
+    little-endian host and the hardware CRC-32C function."""
+    return is_local and sys.byteorder == "little" and _crc32c is not None
+
+
+def usable(entry: TensorEntry) -> bool:
+    """Whether this path reads ``entry``: its shard index and inner chunk are
+    of a size it buffers whole (decided from the checked metadata, before
+    any I/O, so a forged entry cannot make it allocate)."""
+    count = math.prod(c // i for c, i in zip(entry.chunk_shape, entry.inner_chunk_shape))
+    inner = math.prod(entry.inner_chunk_shape) * dtypes.BY_TORCH[entry.dtype].itemsize + 4
+    return 16 * count + 4 <= MAX_INDEX_BYTES and inner <= MAX_INNER_BYTES
+
+
+class Pool:
+    """Reads boxes of a local checkpoint's tensors on ``threads`` threads,
+    each with its own reused buffer. Use as a context manager; on leaving,
+    reads not started are cancelled and running ones finish."""
+
+    def __init__(self, root: str, url: str, threads: int | None = None):
+        self.root, self.url = root, url
+        self._local = threading.local()
+        self._pool = ThreadPoolExecutor(max(1, threads or THREADS), thread_name_prefix="tensorckpt-read")
+
+    def __enter__(self) -> "Pool":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True, cancel_futures=True)
+
+    def read(self, key: str, entry: TensorEntry, want: Box, dst: np.ndarray) -> list[Future]:
+        """Start filling ``dst`` (shape ``want.shape``, the entry's numpy
+        dtype, any strides) with the stored elements of ``want``: one future
+        per stored object it overlaps."""
+        return [self._pool.submit(self._run, key, entry, p.chunk, want, dst)
+                for p in read_plan(entry.shape, entry.chunk_shape, want)]
+
+    def _run(self, *job) -> None:
+        reader = getattr(self._local, "reader", None)
+        if reader is None:
+            reader = self._local.reader = Reader(self.root, self.url)
+        reader.read_object(*job)
+
+
+class Reader:
+    """Reads stored objects of a local checkpoint; holds one reused buffer
+    (one Reader per thread)."""
+
+    def __init__(self, root: str, url: str):
+        self.root, self.url = root, url
+        self._buf = np.empty(0, np.uint8)
+
+    def read(self, key: str, entry: TensorEntry, want: Box, dst: np.ndarray) -> None:
+        """Fill ``dst`` with the stored elements of ``want`` (as :meth:`Pool.read`, on this thread)."""
+        for piece in read_plan(entry.shape, entry.chunk_shape, want):
+            self.read_object(key, entry, piece.chunk, want, dst)
+
+    # ------------------------------------------------------------ one object
+
+    def read_object(self, key: str, e: TensorEntry, pos: tuple[int, ...], want: Box, dst: np.ndarray) -> None:
+        rel = "/".join((key, "c", *map(str, pos)))
+        where = f"{self.url}/{rel}: tensor {key!r}, chunk {pos}"
+        d = dtypes.BY_TORCH[e.dtype]
+        inner = e.inner_chunk_shape
+        per = tuple(c // i for c, i in zip(e.chunk_shape, inner))
+        count = math.prod(per)
+        encoded = math.prod(inner) * d.itemsize + 4
+        try:
+            fd = os.open(os.path.join(self.root, rel), os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+        except FileNotFoundError:
+            raise CorruptCheckpointError(f"{where}, is missing") from None
+        except OSError as err:
+            raise CorruptCheckpointError(f"{where}, cannot be opened ({err.strerror}; a link or unreadable file)") from None
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                raise CorruptCheckpointError(f"{where}, is not a regular file (a writer makes only regular files)")
+            index_len = 16 * count + 4
+            most = object_bytes_bounds(e, pos)[1]
+            if st.st_size > most:
+                raise CorruptCheckpointError(
+                    f"{where}, is {st.st_size} bytes, more than its inner chunks and index can take ({most}): "
+                    "it is damaged or forged"
+                )
+            data_end = st.st_size - index_len
+            if data_end < 0:
+                raise CorruptCheckpointError(
+                    f"{where}, is malformed (truncated or damaged): {st.st_size} bytes, "
+                    f"shorter than its shard index ({index_len} bytes)"
+                )
+            raw = os.pread(fd, index_len, data_end)
+            if len(raw) != index_len:
+                raise CorruptCheckpointError(f"{where}, is malformed (truncated or damaged): the shard index is cut short")
+            if _crc32c(0, raw, index_len - 4) != int.from_bytes(raw[-4:], "little"):
+                raise CorruptCheckpointError(
+                    f"{where}, shard index fails its CRC-32C checksum: the stored data is corrupt"
+                )
+            index = np.frombuffer(raw, "<u8", count=2 * count).reshape(count, 2)
+            self._read_inner(fd, where, e, d, pos, per, index, data_end, encoded, want, dst)
+        finally:
+            os.close(fd)
+
+    def _read_inner(self, fd, where, e, d, pos, per, index, data_end, encoded, want, dst) -> None:
+        inner = e.inner_chunk_shape
+        shard = chunk_box(pos, e.chunk_shape, e.shape)
+        need = shard.intersect(want)
+        # the inner chunks overlapping the wanted part of this object, in file order
+        local = Box(tuple(o - s for o, s in zip(need.offset, shard.offset)), need.shape)
+        spans = chunk_ranges(local, inner, tuple(shard.shape))
+        if per:
+            axes = np.meshgrid(*[np.arange(r.start, r.stop) for r in spans], indexing="ij")
+            grid = np.stack(axes, -1).reshape(-1, len(per))
+            linear = np.ravel_multi_index(tuple(grid.T), per)
+        else:  # a 0-d tensor: one inner chunk
+            grid, linear = np.zeros((1, 0), np.int64), np.zeros(1, np.int64)
+        entries = index[linear]
+        missing = (entries[:, 0] == _MISSING) & (entries[:, 1] == _MISSING)
+        bad = ~missing & ((entries[:, 1] != encoded) | (entries[:, 0] > max(data_end - encoded, -1)))
+        if missing.any() or bad.any() or data_end < encoded:
+            j = int(np.argmax(missing | bad)) if (missing.any() or bad.any()) else 0
+            which = _inner(grid[j])
+            if missing[j]:
+                raise CorruptCheckpointError(f"{where}, inner chunk {which}, is missing (never written)")
+            raise CorruptCheckpointError(
+                f"{where}, inner chunk {which}, is malformed (truncated or damaged): index entry "
+                f"offset {int(entries[j, 0])}, length {int(entries[j, 1])}, where {encoded} bytes inside the "
+                f"first {max(data_end, 0)} are expected"
+            )
+        order = np.argsort(entries[:, 0], kind="stable")
+        offsets = entries[order, 0].astype(np.int64)
+        # runs of inner chunks stored back to back, each at most one buffer
+        per_buf = max(1, BUFFER_BYTES // encoded)
+        breaks = np.flatnonzero(np.diff(offsets) != encoded) + 1
+        starts = [0]
+        for b in breaks.tolist() + [len(offsets)]:
+            while b - starts[-1] > per_buf:
+                starts.append(starts[-1] + per_buf)
+            starts.append(b)
+        starts = sorted(set(starts))
+        if len(self._buf) < min(len(offsets), per_buf) * encoded:
+            self._buf = np.empty(min(len(offsets), per_buf) * encoded, np.uint8)
+        buf, addr = self._buf, self._buf.ctypes.data
+        numel = math.prod(inner)
+        for a, b in zip(starts[:-1], starts[1:]):
+            first, nbytes = int(offsets[a]), (b - a) * encoded
+            got = os.preadv(fd, [memoryview(buf)[:nbytes]], first)
+            if got != nbytes:
+                raise CorruptCheckpointError(f"{where}, is malformed (truncated or damaged): {got} of {nbytes} bytes read")
+            for k in range(a, b):
+                at = (k - a) * encoded
+                which = tuple(int(x) for x in grid[order[k]])
+                if _crc32c(0, addr + at, encoded - 4) != int.from_bytes(buf[at + encoded - 4 : at + encoded], "little"):
+                    raise CorruptCheckpointError(
+                        f"{where}, inner chunk {_inner(which)}, fails its CRC-32C checksum: the stored data is corrupt"
+                    )
+                block = np.frombuffer(buf, d.numpy, count=numel, offset=at).reshape(inner)
+                lo = tuple(s + w * i for s, w, i in zip(shard.offset, which, inner))
+                part = Box(lo, tuple(min(i, n - o) for i, n, o in zip(inner, e.shape, lo))).intersect(want)
+                src = tuple(slice(p - l, p - l + n) for p, l, n in zip(part.offset, lo, part.shape))
+                dst[tuple(slice(p - w, p - w + n) for p, w, n in zip(part.offset, want.offset, part.shape))] = block[src]
+
+
+def _inner(pos) -> str:
+    return "(" + ", ".join(str(int(x)) for x in pos) + ")"

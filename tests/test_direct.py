@@ -1,0 +1,286 @@
+"""Load's fast path (tensorckpt.storage.direct) against TensorStore, the
+reference reader: the same elements for every dtype, chunking, region and
+destination layout; the same verdict, with the object and inner chunk named,
+for every kind of damage."""
+
+from __future__ import annotations
+
+import os
+import struct
+from pathlib import Path
+
+import google_crc32c
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import tensorckpt
+from tensorckpt import CorruptCheckpointError
+from tensorckpt.checkpoint import Checkpoint
+from tensorckpt.format import dtypes
+from tensorckpt.layout.boxes import Box
+from tensorckpt.storage import direct
+
+pytestmark = pytest.mark.usefixtures("fresh_plan_cache")
+GOLDEN = Path(__file__).resolve().parent.parent / "conformance" / "golden"
+
+
+def _random(shape, dtype: torch.dtype, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    if dtype == torch.bool:
+        return torch.randint(0, 2, shape, generator=g).bool()
+    if dtype.is_complex:
+        return torch.randn(shape, generator=g, dtype=dtype)
+    if dtype.is_floating_point:
+        return torch.randn(shape, generator=g).to(dtype)
+    return torch.randint(-100 if dtype != torch.uint8 else 0, 100, shape, generator=g).to(dtype)
+
+
+DTYPES = [getattr(torch, name) for name in dtypes.BY_TORCH]
+shapes = st.lists(st.integers(1, 9), min_size=0, max_size=3).map(tuple)
+
+
+@st.composite
+def cases(draw):
+    shape = draw(shapes)
+    dtype = draw(st.sampled_from(DTYPES))
+    itemsize = dtypes.for_torch(dtype).itemsize
+    inner = draw(st.sampled_from([itemsize, 4 * itemsize, 16 * itemsize, 1 << 18]))
+    shard = draw(st.sampled_from([inner, 4 * inner, 1 << 26]))
+    lo = tuple(draw(st.integers(0, n - 1)) for n in shape)
+    hi = tuple(draw(st.integers(a + 1, n)) for a, n in zip(lo, shape))
+    return shape, dtype, inner, shard, Box(lo, tuple(h - a for a, h in zip(lo, hi))), draw(st.booleans())
+
+
+@settings(max_examples=80, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
+@given(cases())
+def test_direct_reads_what_was_saved(tmp_path_factory, case):
+    shape, dtype, inner, shard, box, strided = case
+    path = tmp_path_factory.mktemp("direct") / "ckpt"
+    t = _random(shape, dtype, seed=len(shape) + inner)
+    tensorckpt.save({"t": t}, path, inner_chunk_bytes=inner, shard_bytes=shard)
+    ckpt = Checkpoint(path)
+    e = ckpt.index.tensors["t"]
+    npd = dtypes.for_torch(dtype).numpy
+    if strided:  # a destination that is a transposed view: any strides work
+        dst = np.zeros(box.shape[::-1], npd).T
+    else:
+        dst = np.zeros(box.shape, npd)
+    direct.Reader(str(path), str(path)).read("t", e, box, dst)
+    want = dtypes.to_numpy(t)[box.slices()] if shape else dtypes.to_numpy(t)
+    assert dst.tobytes(order="C") == want.tobytes(order="C")  # bitwise
+    reference = ckpt.read("t", box.slices()) if shape else ckpt.read("t")  # TensorStore
+    assert torch.equal(reference, dtypes.from_numpy(dst.copy(order="C"), dtypes.for_torch(dtype)))
+
+
+@pytest.mark.parametrize("golden", sorted(p.name for p in (GOLDEN / "v1").iterdir() if (p / "checkpoint").is_dir()))
+def test_goldens_load_the_same_through_both_readers(golden):
+    path = GOLDEN / "v1" / golden / "checkpoint"
+    reference = tensorckpt.open(path).to_state_dict()  # read through TensorStore
+    target = _map(reference, lambda v: torch.zeros_like(v) if isinstance(v, torch.Tensor) else None)
+    tensorckpt.load(target, path)  # local: the fast path
+    pairs = list(_leaves(reference, target))
+    assert any(isinstance(r, torch.Tensor) for r, _ in pairs)
+    for r, t in pairs:
+        if isinstance(r, torch.Tensor):  # bitwise: the dtypes golden holds NaNs
+            assert r.dtype == t.dtype and dtypes.to_numpy(r).tobytes() == dtypes.to_numpy(t).tobytes()
+        else:
+            assert r == t
+
+
+def _map(tree, fn):
+    if isinstance(tree, dict):
+        return {k: _map(v, fn) for k, v in tree.items()}
+    return fn(tree)
+
+
+def _leaves(a, b):
+    if isinstance(a, dict):
+        for k in a:
+            yield from _leaves(a[k], b[k])
+    else:
+        yield a, b
+
+
+# ----------------------------------------------------------------- damage
+
+W = torch.arange(64 * 48, dtype=torch.float32).reshape(64, 48)
+
+
+@pytest.fixture
+def ckpt(tmp_path) -> Path:
+    path = tmp_path / "ckpt"
+    tensorckpt.save({"w": W}, path, inner_chunk_bytes=16 * 16 * 4, shard_bytes=32 * 48 * 4)
+    e = Checkpoint(path).index.tensors["w"]
+    assert (e.chunk_shape, e.inner_chunk_shape) == ((32, 48), (16, 12))  # 2 objects of 2 x 4 inner chunks
+    return path
+
+
+def _object(path: Path) -> Path:
+    return path / "w" / "c" / "1" / "0"
+
+
+N = 8  # inner chunks per stored object: [32, 48] in [16, 12]
+ENCODED = 16 * 12 * 4 + 4
+COLS = 4
+
+
+def _index(data: bytes) -> tuple[bytes, np.ndarray]:
+    raw = data[-(16 * N + 4):]
+    return raw, np.frombuffer(raw[:-4], "<u8").reshape(N, 2).copy()
+
+
+def _with_index(data: bytes, entries: np.ndarray) -> bytes:
+    raw = entries.astype("<u8").tobytes()
+    return data[: -(16 * N + 4)] + raw + struct.pack("<I", google_crc32c.value(raw))
+
+
+def _flip(data: bytes, at: int) -> bytes:
+    return data[:at] + bytes([data[at] ^ 0x10]) + data[at + 1:]
+
+
+def _damage(kind: str, obj: Path) -> str:
+    """Damage the stored object; return what the error must say."""
+    data = obj.read_bytes()
+    _, entries = _index(data)
+    enc = ENCODED
+    if kind == "data bit":
+        k = int(np.argsort(entries[:, 0])[4])  # the fifth inner chunk in the file
+        obj.write_bytes(_flip(data, int(entries[k, 0]) + 100))
+        return "fails its CRC-32C checksum"
+    if kind == "chunk crc":
+        obj.write_bytes(_flip(data, int(entries[0, 0]) + enc - 2))
+        return "fails its CRC-32C checksum"
+    if kind == "index bit":
+        obj.write_bytes(_flip(data, len(data) - 20))
+        return "CRC-32C"
+    if kind == "truncated":
+        obj.write_bytes(data[:50])
+        return "malformed"
+    if kind == "cut in the middle":
+        obj.write_bytes(data[:enc] + data[2 * enc:])
+        return "malformed"
+    if kind == "wrong length":
+        entries[2, 1] = enc - 4
+        obj.write_bytes(_with_index(data, entries))
+        return "malformed"
+    if kind == "offset past the data":
+        entries[3, 0] = len(data)
+        obj.write_bytes(_with_index(data, entries))
+        return "malformed"
+    if kind == "huge offset":
+        entries[3, 0] = 2**64 - 2
+        obj.write_bytes(_with_index(data, entries))
+        return "malformed"
+    if kind == "missing inner chunk":
+        entries[N - 1] = 2**64 - 1
+        obj.write_bytes(_with_index(data, entries))
+        return "missing"
+    if kind == "empty file":
+        obj.write_bytes(b"")
+        return "malformed"
+    if kind == "deleted":
+        obj.unlink()
+        return "missing"
+    if kind == "sparse and huge":  # TensorStore would allocate all of it at once and abort
+        with open(obj, "r+b") as f:
+            f.truncate(1 << 40)
+        return "more than its inner chunks and index can take"
+    raise AssertionError(kind)
+
+
+KINDS = ["data bit", "chunk crc", "index bit", "truncated", "cut in the middle", "wrong length",
+         "offset past the data", "huge offset", "missing inner chunk", "empty file", "deleted", "sparse and huge"]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_damage_is_named_by_load(ckpt, kind):
+    says = _damage(kind, _object(ckpt))
+    target = {"w": torch.zeros_like(W)}
+    with pytest.raises(CorruptCheckpointError, match=says) as info:
+        tensorckpt.load(target, ckpt)
+    msg = str(info.value)
+    assert "'w'" in msg and "/w/c/1/0" in msg, msg
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_tensorstore_agrees_on_damage(ckpt, kind, monkeypatch):
+    """The reference reader refuses the same objects (its message differs)."""
+    _damage(kind, _object(ckpt))
+    monkeypatch.setattr(direct, "available", lambda is_local: False)
+    with pytest.raises(CorruptCheckpointError):
+        tensorckpt.load({"w": torch.zeros_like(W)}, ckpt)
+
+
+def test_undamaged_object_and_other_regions_still_read(ckpt):
+    _damage("data bit", _object(ckpt))
+    e = Checkpoint(ckpt).index.tensors["w"]
+    top = np.zeros((32, 48), np.float32)
+    direct.Reader(str(ckpt), str(ckpt)).read("w", e, Box((0, 0), (32, 48)), top)  # the other object
+    np.testing.assert_array_equal(top, W[:32].numpy())
+
+
+def test_damage_names_the_inner_chunk(ckpt):
+    obj = _object(ckpt)
+    _, entries = _index(obj.read_bytes())
+    _damage("data bit", obj)
+    k = int(np.argsort(entries[:, 0])[4])
+    row, col = divmod(k, COLS)
+    e = Checkpoint(ckpt).index.tensors["w"]
+    with pytest.raises(CorruptCheckpointError, match=rf"chunk \(1, 0\), inner chunk \({row}, {col}\), fails"):
+        direct.Reader(str(ckpt), str(ckpt)).read("w", e, Box((32, 0), (32, 48)), np.zeros((32, 48), np.float32))
+
+
+@pytest.mark.parametrize("kind", ["fifo", "symlink", "directory"])
+def test_not_a_regular_file_neither_blocks_nor_escapes(ckpt, tmp_path, kind):
+    obj = _object(ckpt)
+    outside = tmp_path / "outside"
+    outside.write_bytes(obj.read_bytes())
+    obj.unlink()
+    if kind == "fifo":
+        os.mkfifo(obj)
+    elif kind == "symlink":
+        obj.symlink_to(outside)
+    else:
+        obj.mkdir()
+    e = Checkpoint(ckpt).index.tensors["w"]
+    with pytest.raises(CorruptCheckpointError, match="/w/c/1/0"):  # the reader alone, without load's lstat checks
+        direct.Reader(str(ckpt), str(ckpt)).read("w", e, Box((32, 0), (32, 48)), np.zeros((32, 48), np.float32))
+    with pytest.raises(CorruptCheckpointError, match="/w/c/1/0"):
+        tensorckpt.load({"w": torch.zeros_like(W)}, ckpt)
+
+
+def test_oversized_index_goes_through_tensorstore(tmp_path, monkeypatch):
+    """Entries whose index or inner chunk exceed what the fast path buffers
+    are read by TensorStore, in the same load."""
+    path = tmp_path / "ckpt"
+    state = {"a": torch.arange(4096.0), "b": torch.arange(100.0)}
+    tensorckpt.save(state, path, inner_chunk_bytes=64)  # "a": 256 inner chunks -> a 4 KiB index
+    monkeypatch.setattr(direct, "MAX_INDEX_BYTES", 1024)
+    used = []
+    real = direct.Pool.read
+    monkeypatch.setattr(direct.Pool, "read", lambda self, key, *a: used.append(key) or real(self, key, *a))
+    target = {"a": torch.zeros(4096), "b": torch.zeros(100)}
+    tensorckpt.load(target, path)
+    assert used == ["b"] and torch.equal(target["a"], state["a"]) and torch.equal(target["b"], state["b"])
+
+
+def test_load_without_the_fast_path(tmp_path, monkeypatch):
+    """TensorStore stays a complete reader (it is the only one for object stores)."""
+    monkeypatch.setattr(direct, "available", lambda is_local: False)
+    monkeypatch.setattr(direct.Pool, "read", lambda *a: pytest.fail("fast path used"))
+    path = tmp_path / "ckpt"
+    state = {"w": W, "p": torch.nn.Parameter(torch.randn(7, 5)), "b": torch.arange(9).to(torch.bfloat16)}
+    tensorckpt.save(state, path, inner_chunk_bytes=256)
+    target = {"w": torch.zeros_like(W), "p": torch.nn.Parameter(torch.zeros(7, 5)), "b": torch.zeros(9, dtype=torch.bfloat16)}
+    tensorckpt.load(target, path)
+    assert all(torch.equal(target[k].detach(), state[k].detach()) for k in state)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_verify_reports_the_same_damage(ckpt, kind):
+    _damage(kind, _object(ckpt))
+    report = tensorckpt.verify(ckpt)
+    assert report.status == "corrupt" and [p.where for p in report.problems] == [str(_object(ckpt))], report.problems
