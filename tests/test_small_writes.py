@@ -13,7 +13,7 @@ from tensorckpt.format import dtypes
 from tensorckpt.format.metadata import TensorEntry
 from tensorckpt.layout import grid
 from tensorckpt.layout.boxes import Box
-from tensorckpt.storage import arrays, kv, location
+from tensorckpt.storage import arrays, direct, kv, location
 
 CASES = [
     ((), torch.float64),
@@ -82,8 +82,11 @@ def test_save_writes_small_tensors_without_opening_arrays(tmp_path, monkeypatch)
     real = arrays.open_write
     monkeypatch.setattr(arrays, "open_write", lambda loc, key, entry: opened.append(key) or real(loc, key, entry))
     state = {f"t{i}": torch.arange(i + 1, dtype=torch.float32) for i in range(50)}
-    state["big"] = torch.zeros(512, 1024)  # several inner chunks: through TensorStore
+    state["big"] = torch.zeros(512, 1024)  # several inner chunks: storage.direct's writer, or TensorStore
     tensorckpt.save(state, tmp_path / "c", inner_chunk_bytes=64 << 10)
+    assert opened == []
+    monkeypatch.setattr(direct, "available", lambda is_local: False)
+    tensorckpt.save(state, tmp_path / "c", inner_chunk_bytes=64 << 10, overwrite=True)
     assert opened == ["big"]
     loaded = tensorckpt.open(tmp_path / "c").to_state_dict()
     for k, v in state.items():

@@ -38,9 +38,9 @@ from ..errors import TensorckptError, UnsupportedValueError
 from ..format import dtypes
 from ..format.metadata import RootMetadata, check_value, dumps, root_group_json
 from ..layout import grid
-from ..layout.boxes import Box, read_plan
+from ..layout.boxes import Box, chunk_box, read_plan
 from ..layout.plan import LocalItem, LocalPlan, SavePlan, build_save_plan, merge_values, plan_bytes
-from ..storage import arrays, commit, kv, location
+from ..storage import arrays, commit, direct, kv, location
 from .group import Group, capture, reraise
 
 _GROUP_JSON = dumps({"zarr_format": 3, "node_type": "group", "attributes": {}})
@@ -333,7 +333,9 @@ def _write_local(
     mine = plan.writes_of(rank)
     meta_write = kv.write_many_async(loc, objects)
     small = {(k, b): pos for k, b in mine if (pos := arrays.whole_chunk(plan.entries[k], b)) is not None}
-    opened = {k: arrays.open_write(loc, k, plan.entries[k]) for k in {k for k, b in mine if (k, b) not in small}}
+    fast = {k for k, b in mine if (k, b) not in small and direct.available(loc.is_local) and direct.usable(plan.entries[k])}
+    writer = direct.Writer(loc.path, sync_bytes=arrays.SYNC_OBJECT_BYTES) if fast else None
+    opened = {k: arrays.open_write(loc, k, plan.entries[k]) for k in {k for k, b in mine if (k, b) not in small} - fast}
     writes, encoded, small_write = [], {}, lambda: None
     start, staging = time.perf_counter(), 0.0
     try:
@@ -353,12 +355,19 @@ def _write_local(
             if (key, box) in small:  # one inner chunk: encoded here, written in one batch below
                 encoded[f"{key}/{arrays.chunk_key(small[key, box])}"] = arrays.encode_whole_chunk(plan.entries[key], data)
             else:  # one write per stored object: a failure settles only once all are done
-                arr = opened[key].result()
                 e = plan.entries[key]
-                writes += [(key, arr[p.src.slices()].write(data[p.dst.slices()])) for p in read_plan(e.shape, e.chunk_shape, box)]
+                for p in read_plan(e.shape, e.chunk_shape, box):
+                    if key in fast and p.src == chunk_box(p.chunk, e.chunk_shape, e.shape):
+                        writes.append((key, writer.write(key, e, p.chunk, data[p.dst.slices()])))
+                    else:
+                        if key not in opened:
+                            opened[key] = arrays.open_write(loc, key, e)
+                        writes.append((key, opened[key].result()[p.src.slices()].write(data[p.dst.slices()])))
         small_write = kv.write_many_async(loc, encoded)
     finally:
         failure = _settle(loc, writes, opened, meta_write, small_write)
+        if writer is not None:
+            writer.close()
     stats.seconds["stage"] = stats.seconds.get("stage", 0.0) + staging
     stats.seconds["write"] = time.perf_counter() - start - staging
     if failure is not None:
