@@ -36,7 +36,7 @@ from .format import dtypes
 from .format.keys import flat_key, split_flat_key
 from .format.metadata import RootMetadata, TensorEntry, loads, parse_root
 from .layout.boxes import Box, chunk_ranges
-from .storage import arrays, commit, kv, location
+from .storage import arrays, commit, direct, kv, location
 
 # A read up to this size is allocated at once; a larger one first checks that
 # the array stores at least that many bytes (version 1 does not compress), so
@@ -175,9 +175,15 @@ class Checkpoint:
         rest = e.shape[len(norm):]  # the region read, in the array's coordinates (an int keeps its dimension)
         lo = tuple(ix if isinstance(ix, int) else ix.start for ix in norm) + (0,) * len(rest)
         hi = tuple(ix + 1 if isinstance(ix, int) else ix.stop for ix in norm) + rest
-        self.check_objects(k, Box(lo, tuple(h - l for l, h in zip(lo, hi))))
+        box = Box(lo, tuple(h - l for l, h in zip(lo, hi)))
+        self.check_objects(k, box)
         out = np.empty(shape, dtype=d.numpy)
-        self.read_into(k, arr, out)
+        if out.size == box.numel and out.size and direct.available(self.location.is_local) and direct.usable(e):
+            with direct.Pool(self.location.path, self.path) as pool:  # as load reads local checkpoints
+                for f in pool.read(k, e, box, out.reshape(box.shape)):
+                    f.result()
+        else:
+            self.read_into(k, arr, out)
         return dtypes.from_numpy(out, d)
 
     def read_into(self, key: str, src: ts.TensorStore, out: np.ndarray) -> None:

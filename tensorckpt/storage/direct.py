@@ -1,5 +1,5 @@
 """Reading and writing a local checkpoint's chunks without TensorStore: the
-fast path of load and save.
+fast path of load, ``Checkpoint.read`` and save.
 
 Every array tensorckpt writes has the same codec chain (spec section 7):
 ``sharding_indexed`` with inner chunks ``bytes`` (little-endian) + ``crc32c``
