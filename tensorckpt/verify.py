@@ -4,9 +4,9 @@ before it trusts one from elsewhere (spec section 12).
 - The root metadata (spec 9.5), every array ``zarr.json`` against its index
   entry (section 7), and the intermediate groups (section 4).
 - Every chunk of every tensor: it is stored, it is a regular file (local
-  stores), it is at least as large as its inner chunks and index need, and it
-  decodes with correct CRC-32C checksums (TensorStore checks those on every
-  read).
+  stores), its size lies within what its inner chunks and index take, and it
+  decodes with correct CRC-32C checksums (read like ``load`` reads: by
+  :mod:`tensorckpt.storage.direct` on local files, else TensorStore).
 
 Memory stays bounded: a chunk is read in blocks of at most ``block_bytes``
 cut along its inner chunks, a few blocks at a time. The work follows what is
@@ -19,6 +19,7 @@ version or an unreadable location raise.
 from __future__ import annotations
 
 import collections
+import contextlib
 import itertools
 import math
 from collections.abc import Callable
@@ -31,7 +32,8 @@ from .checkpoint import Checkpoint, chunk_error, read_object
 from .errors import CorruptCheckpointError, IncompleteCheckpointError
 from .format import dtypes
 from .format.metadata import TensorEntry, loads
-from .storage import arrays, location
+from .layout.boxes import Box
+from .storage import arrays, direct, location
 
 BLOCK_BYTES = 16 << 20  # largest region read at once (an inner chunk larger than this is read alone)
 IN_FLIGHT = 4  # blocks read concurrently
@@ -93,8 +95,11 @@ def verify(path, *, progress: Progress | None = None, block_bytes: int = BLOCK_B
         if progress is not None:
             progress(report.bytes, total)
 
-    for key in sorted(ckpt.index.tensors):
-        _check_tensor(ckpt, key, report, tick, block_bytes)
+    fast = direct.available(loc.is_local)
+    with direct.Pool(loc.path, ckpt.path, threads=2) if fast else contextlib.nullcontext() as pool:
+        for key in sorted(ckpt.index.tensors):
+            usable = fast and direct.usable(ckpt.index.tensors[key])
+            _check_tensor(ckpt, key, report, tick, block_bytes, pool if usable else None)
     return report
 
 
@@ -114,7 +119,9 @@ def _check_groups(ckpt: Checkpoint, report: VerifyReport) -> None:
             report.problems.append(Problem("corrupt", where, str(e)))
 
 
-def _check_tensor(ckpt: Checkpoint, key: str, report: VerifyReport, tick, block_bytes: int) -> None:
+def _check_tensor(ckpt: Checkpoint, key: str, report: VerifyReport, tick, block_bytes: int, pool=None) -> None:
+    """Check one tensor's metadata and every stored chunk: through ``pool``
+    (:mod:`tensorckpt.storage.direct`, local checkpoints) or TensorStore."""
     e = ckpt.index.tensors[key]
     where = f"{ckpt.path}/{key}"
     try:
@@ -133,13 +140,15 @@ def _check_tensor(ckpt: Checkpoint, key: str, report: VerifyReport, tick, block_
     pending: collections.deque = collections.deque()
 
     def settle(job) -> None:
-        pos, nbytes, future = job
+        pos, nbytes, futures = job
         try:
-            future.result()
-        except ValueError as err:
+            for future in futures:
+                future.result()
+        except (ValueError, CorruptCheckpointError) as err:
             if pos not in failed:
                 failed.add(pos)
-                report.problems.append(Problem("corrupt", _object(where, pos), chunk_error(ckpt.path, key, str(err))))
+                msg = str(err) if isinstance(err, CorruptCheckpointError) else chunk_error(ckpt.path, key, str(err))
+                report.problems.append(Problem("corrupt", _object(where, pos), msg))
             return
         report.bytes += nbytes
         tick()
@@ -158,8 +167,12 @@ def _check_tensor(ckpt: Checkpoint, key: str, report: VerifyReport, tick, block_
         hi = tuple(min(a + c, s) for a, c, s in zip(lo, e.chunk_shape, e.shape))
         for blo, bhi in _blocks(lo, hi, e.inner_chunk_shape, d.itemsize, block_bytes):
             out = np.empty(tuple(h - l for l, h in zip(blo, bhi)), dtype=d.numpy)
-            src = arr[tuple(slice(l, h) for l, h in zip(blo, bhi))] if blo else arr
-            pending.append((pos, out.nbytes, ts.array(out, copy=False, write=True).write(src)))
+            if pool is not None:
+                futures = pool.read(key, e, Box(tuple(blo), out.shape), out)
+            else:
+                src = arr[tuple(slice(l, h) for l, h in zip(blo, bhi))] if blo else arr
+                futures = [ts.array(out, copy=False, write=True).write(src)]
+            pending.append((pos, out.nbytes, futures))
             if len(pending) >= IN_FLIGHT:
                 settle(pending.popleft())
     while pending:
