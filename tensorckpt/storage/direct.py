@@ -310,25 +310,29 @@ class Reader:
         starts = sorted(set(starts))
         if len(self._buf) < min(len(offsets), per_buf) * encoded:
             self._buf = np.empty(min(len(offsets), per_buf) * encoded, np.uint8)
-        buf, addr = self._buf, self._buf.ctypes.data
+        buf, addr, view = self._buf, self._buf.ctypes.data, memoryview(self._buf)
         numel = math.prod(inner)
+        # in file order: each inner chunk's part of ``want``, in the chunk's and in dst's coordinates
+        lo = np.asarray(shard.offset, np.int64) + grid[order] * np.asarray(inner, np.int64)
+        part_lo = np.maximum(lo, np.asarray(want.offset, np.int64))
+        part_hi = np.minimum(np.minimum(lo + np.asarray(inner, np.int64), np.asarray(e.shape, np.int64)),
+                             np.asarray(want.end, np.int64))
+        src = list(zip((part_lo - lo).tolist(), (part_hi - lo).tolist()))
+        dst_at = list(zip((part_lo - want.offset).tolist(), (part_hi - want.offset).tolist()))
         for a, b in zip(starts[:-1], starts[1:]):
             first, nbytes = int(offsets[a]), (b - a) * encoded
-            got = os.preadv(fd, [memoryview(buf)[:nbytes]], first)
+            got = os.preadv(fd, [view[:nbytes]], first)
             if got != nbytes:
                 raise CorruptCheckpointError(f"{where}, is malformed (truncated or damaged): {got} of {nbytes} bytes read")
             for k in range(a, b):
                 at = (k - a) * encoded
-                which = tuple(int(x) for x in grid[order[k]])
-                if _crc32c(0, addr + at, encoded - 4) != int.from_bytes(buf[at + encoded - 4 : at + encoded], "little"):
+                if _crc32c(0, addr + at, encoded - 4) != int.from_bytes(view[at + encoded - 4 : at + encoded], "little"):
                     raise CorruptCheckpointError(
-                        f"{where}, inner chunk {_inner(which)}, fails its CRC-32C checksum: the stored data is corrupt"
+                        f"{where}, inner chunk {_inner(grid[order[k]])}, fails its CRC-32C checksum: the stored data is corrupt"
                     )
                 block = np.frombuffer(buf, d.numpy, count=numel, offset=at).reshape(inner)
-                lo = tuple(s + w * i for s, w, i in zip(shard.offset, which, inner))
-                part = Box(lo, tuple(min(i, n - o) for i, n, o in zip(inner, e.shape, lo))).intersect(want)
-                src = tuple(slice(p - l, p - l + n) for p, l, n in zip(part.offset, lo, part.shape))
-                dst[tuple(slice(p - w, p - w + n) for p, w, n in zip(part.offset, want.offset, part.shape))] = block[src]
+                (s_lo, s_hi), (d_lo, d_hi) = src[k], dst_at[k]
+                dst[tuple(map(slice, d_lo, d_hi))] = block[tuple(map(slice, s_lo, s_hi))]
 
 
 def _inner(pos) -> str:
