@@ -9,6 +9,7 @@ older format versions are chosen by sniffing ``format_version`` (see
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import re
@@ -68,7 +69,9 @@ class RootMetadata:
     must_understand: tuple[str, ...] = ()
     save_stats: dict | None = None  # per-rank phase times and bytes (spec 9.7), informational
 
-    def to_json(self) -> dict:
+    def to_json(self, entries: bool = True) -> dict:
+        """The ``attributes.tensorckpt`` document; without ``entries``,
+        ``tensors`` holds only the sorted keys (for :func:`root_group_json`)."""
         doc = {
             "format_version": self.format_version,
             "must_understand": list(self.must_understand),
@@ -76,7 +79,7 @@ class RootMetadata:
             "created": self.created,
             "world_size": self.world_size,
             "user_metadata": self.user_metadata,
-            "tensors": {k: e.to_json() for k, e in sorted(self.tensors.items())},
+            "tensors": {k: e.to_json() for k, e in sorted(self.tensors.items())} if entries else sorted(self.tensors),
             "values": dict(sorted(self.values.items())),
         }
         if self.save_stats is not None:
@@ -85,9 +88,26 @@ class RootMetadata:
 
 
 def root_group_json(meta: RootMetadata) -> bytes:
-    """The bytes of the root ``zarr.json`` that commits a checkpoint."""
-    doc = {"zarr_format": 3, "node_type": "group", "attributes": {ATTRIBUTE: meta.to_json()}}
-    return dumps(doc)
+    """The bytes of the root ``zarr.json`` that commits a checkpoint: exactly
+    ``dumps`` of ``{"zarr_format": 3, "node_type": "group", "attributes":
+    {ATTRIBUTE: meta.to_json()}}``, but each tensor entry's text is cached
+    (a plan reused by the next save has the same entries) and spliced in as
+    text: building thousands of dicts per save set off full garbage
+    collections that cost more than the rest of a small-tensor commit."""
+    doc = meta.to_json(entries=False)
+    tensors = "{" + ", ".join(f"{_text(k)}: {entry_json(meta.tensors[k])}" for k in doc["tensors"]) + "}"
+    attrs = "{" + ", ".join(f"{_text(k)}: {tensors if k == 'tensors' else _text(v)}" for k, v in doc.items()) + "}"
+    return f'{{"zarr_format": 3, "node_type": "group", "attributes": {{{_text(ATTRIBUTE)}: {attrs}}}}}'.encode("utf-8")
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def entry_json(entry: TensorEntry) -> str:
+    """``entry.to_json()`` as JSON text (cached: entries are immutable)."""
+    return _text(entry.to_json())
+
+
+def _text(doc: object) -> str:
+    return json.dumps(doc, allow_nan=False, ensure_ascii=False)
 
 
 def dumps(doc: object) -> bytes:

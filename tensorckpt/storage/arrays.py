@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 import struct
 import sys
@@ -50,8 +51,10 @@ def _spec(loc: Location, key: str) -> dict:
     return {"driver": "zarr3", "kvstore": loc.kvstore(key)}
 
 
+@functools.lru_cache(maxsize=1 << 16)
 def zarr_json(entry: TensorEntry) -> bytes:
-    """The bytes of the array's ``zarr.json``."""
+    """The bytes of the array's ``zarr.json`` (cached: entries are immutable,
+    and a save that reuses its plan writes the same ones again)."""
     return dumps({"zarr_format": 3, "node_type": "array", **zarr_metadata(entry)})
 
 
