@@ -43,7 +43,7 @@ def escape(name: str) -> str:
     if name == "":
         return EMPTY
     out = _UNSAFE_RE.sub(lambda m: f"%{ord(m.group(0)):02X}", name)
-    if set(out) == {"."}:
+    if not out.strip("."):  # only dots (no set(): this runs for every key of every save)
         out = "%2E" * len(out)
     elif out.startswith("__"):
         out = "%5F" + out[1:]
