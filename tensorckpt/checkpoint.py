@@ -165,25 +165,24 @@ class Checkpoint:
         if k in self._meta.values and index is None:
             return self._meta.values[k]
         e = self._entry(k)
-        arr = self.array(k)
+        self.check_arrays([k])
         norm = _normalize_index(index, e.shape, f"{self.path}: tensor {k!r}") if index is not None else ()
-        if index is not None:
-            arr = arr[norm]
-        d = dtypes.BY_TORCH[e.dtype]
-        shape = tuple(arr.shape)
-        self._check_backed(k, math.prod(shape) * d.itemsize)
         rest = e.shape[len(norm):]  # the region read, in the array's coordinates (an int keeps its dimension)
+        shape = tuple(len(range(ix.start, ix.stop, ix.step)) for ix in norm if isinstance(ix, slice)) + rest
+        d = dtypes.BY_TORCH[e.dtype]
+        self._check_backed(k, math.prod(shape) * d.itemsize)
         lo = tuple(ix if isinstance(ix, int) else ix.start for ix in norm) + (0,) * len(rest)
         hi = tuple(ix + 1 if isinstance(ix, int) else ix.stop for ix in norm) + rest
         box = Box(lo, tuple(h - l for l, h in zip(lo, hi)))
         self.check_objects(k, box)
         out = np.empty(shape, dtype=d.numpy)
-        if out.size == box.numel and out.size and direct.available(self.location.is_local) and direct.usable(e):
+        strided = out.size != box.numel  # a slice with a step: only part of the box
+        if out.size and not strided and direct.available(self.location.is_local) and direct.usable(e):
             with direct.Pool(self.location.path, self.path) as pool:  # as load reads local checkpoints
                 for f in pool.read(k, e, box, out.reshape(box.shape)):
                     f.result()
         else:
-            self.read_into(k, arr, out)
+            self.read_into(k, self.array(k)[norm] if norm else self.array(k), out)
         return dtypes.from_numpy(out, d)
 
     def read_into(self, key: str, src: ts.TensorStore, out: np.ndarray) -> None:

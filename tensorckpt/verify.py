@@ -125,7 +125,7 @@ def _check_tensor(ckpt: Checkpoint, key: str, report: VerifyReport, tick, block_
     e = ckpt.index.tensors[key]
     where = f"{ckpt.path}/{key}"
     try:
-        arr = ckpt.array(key)
+        arr = ckpt.array(key) if pool is None else ckpt.check_arrays([key])  # the pool reads without TensorStore
     except CorruptCheckpointError as err:
         report.problems.append(Problem("corrupt", f"{where}/zarr.json", str(err)))
         return  # its chunks cannot be interpreted
@@ -216,7 +216,7 @@ def _positions(grid: list[int]):
 
 
 def _object(where: str, pos: tuple[int, ...]) -> str:
-    return f"{where}/c" + "".join(f"/{i}" for i in pos)
+    return f"{where}/{arrays.chunk_key(pos)}"
 
 
 def _blocks(lo: tuple[int, ...], hi: tuple[int, ...], inner: tuple[int, ...], itemsize: int, limit: int):

@@ -1,13 +1,16 @@
+"""The root metadata document as written."""
+
+from __future__ import annotations
+
+import random
+
+from tensorckpt.format.metadata import ATTRIBUTE, RootMetadata, TensorEntry, dumps, root_group_json
 
 
 def test_root_json_is_the_documents_dumps():
     """root_group_json splices cached entry texts; the bytes must be exactly
     those of serializing the whole document (keys needing escapes, a user
     member named like ours, save_stats or not)."""
-    import random
-
-    from tensorckpt.format.metadata import ATTRIBUTE, RootMetadata, TensorEntry, dumps, root_group_json
-
     rng = random.Random(1)
     for trial in range(100):
         tensors = {

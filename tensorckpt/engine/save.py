@@ -333,7 +333,8 @@ def _write_local(
     mine = plan.writes_of(rank)
     meta_write = kv.write_many_async(loc, objects)
     small = {(k, b): pos for k, b in mine if (pos := arrays.whole_chunk(plan.entries[k], b)) is not None}
-    fast = {k for k, b in mine if (k, b) not in small and direct.available(loc.is_local) and direct.usable(plan.entries[k])}
+    own = direct.available(loc.is_local)  # encode stored objects here rather than through TensorStore
+    fast = {k for k, b in mine if own and (k, b) not in small and direct.usable(plan.entries[k])}
     writer = direct.Writer(loc.path, sync_bytes=arrays.SYNC_OBJECT_BYTES) if fast else None
     opened = {k: arrays.open_write(loc, k, plan.entries[k]) for k in {k for k, b in mine if (k, b) not in small} - fast}
     writes, encoded, small_write = [], {}, lambda: None

@@ -46,7 +46,7 @@ from ..errors import CorruptCheckpointError
 from ..format import dtypes
 from ..format.metadata import TensorEntry
 from ..layout.boxes import Box, chunk_box, chunk_ranges, read_plan
-from .arrays import object_bytes_bounds
+from .arrays import chunk_key, object_bytes_bounds
 
 BUFFER_BYTES = 1 << 20  # largest single read (stays in the CPU cache for the check and copy that follow)
 THREADS = 4  # stored objects read at once: reads of one overlap the checks and copies of others
@@ -89,9 +89,15 @@ def usable(entry: TensorEntry) -> bool:
     """Whether this path reads ``entry``: its shard index and inner chunk are
     of a size it buffers whole (decided from the checked metadata, before
     any I/O, so a forged entry cannot make it allocate)."""
-    count = math.prod(c // i for c, i in zip(entry.chunk_shape, entry.inner_chunk_shape))
-    inner = math.prod(entry.inner_chunk_shape) * dtypes.BY_TORCH[entry.dtype].itemsize + 4
-    return 16 * count + 4 <= MAX_INDEX_BYTES and inner <= MAX_INNER_BYTES
+    per, encoded = _geometry(entry)
+    return 16 * math.prod(per) + 4 <= MAX_INDEX_BYTES and encoded <= MAX_INNER_BYTES
+
+
+def _geometry(e: TensorEntry) -> tuple[tuple[int, ...], int]:
+    """Inner chunks per stored object along each dimension, and the bytes of
+    one encoded inner chunk (its elements, then a CRC-32C)."""
+    per = tuple(c // i for c, i in zip(e.chunk_shape, e.inner_chunk_shape))
+    return per, math.prod(e.inner_chunk_shape) * dtypes.BY_TORCH[e.dtype].itemsize + 4
 
 
 class Writer:
@@ -115,23 +121,21 @@ class Writer:
         return _submit(self._pool, self._run, key, entry, pos, data)
 
     def _run(self, key: str, e: TensorEntry, pos: tuple[int, ...], data: np.ndarray) -> None:
-        buf = getattr(self._local, "buf", None)
         d = dtypes.BY_TORCH[e.dtype]
-        inner = e.inner_chunk_shape
-        numel = math.prod(inner)
-        encoded = numel * d.itemsize + 4
+        inner, numel = e.inner_chunk_shape, math.prod(e.inner_chunk_shape)
+        per, encoded = _geometry(e)
         per_buf = max(1, BUFFER_BYTES // encoded)
+        buf = getattr(self._local, "buf", None)
         if buf is None or len(buf) < per_buf * encoded:
             buf = self._local.buf = np.empty(per_buf * encoded, np.uint8)
-        path = os.path.join(self.root, key, "c", *map(str, pos))
+        path = os.path.join(self.root, key, chunk_key(pos))
         parent = os.path.dirname(path)
         if parent not in self._made:
             os.makedirs(parent, exist_ok=True)
             self._made.add(parent)
         shard = chunk_box(pos, e.chunk_shape, e.shape)
-        per = tuple(c // i for c, i in zip(e.chunk_shape, inner))
         index = np.full((math.prod(per), 2), _MISSING, "<u8")
-        addr, used, offset, total = buf.ctypes.data, 0, 0, 0
+        addr, view, used, offset = buf.ctypes.data, memoryview(buf), 0, 0
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC | os.O_NOFOLLOW, 0o644)
         try:
             for j, which in enumerate(np.ndindex(*per)):
@@ -143,17 +147,16 @@ class Writer:
                 if size != inner:
                     block.fill(0)  # the edge: elements outside the array are the zero fill value
                 block[tuple(slice(0, n) for n in size)] = data[tuple(slice(l, l + n) for l, n in zip(lo, size))]
-                buf[used + encoded - 4 : used + encoded] = np.frombuffer(
-                    _crc32c(0, addr + used, encoded - 4).to_bytes(4, "little"), np.uint8)
+                view[used + encoded - 4 : used + encoded] = _crc32c(0, addr + used, encoded - 4).to_bytes(4, "little")
                 index[j] = (offset, encoded)
                 used, offset = used + encoded, offset + encoded
                 if used + encoded > len(buf):
-                    total += _write_all(fd, memoryview(buf)[:used])
+                    _write_all(fd, view[:used])
                     used = 0
-            total += _write_all(fd, memoryview(buf)[:used])
+            _write_all(fd, view[:used])
             raw = index.tobytes()
-            total += _write_all(fd, raw + _crc32c(0, raw, len(raw)).to_bytes(4, "little"))
-            if total >= self.sync_bytes:
+            _write_all(fd, memoryview(raw + _crc32c(0, raw, len(raw)).to_bytes(4, "little")))
+            if offset + len(raw) + 4 >= self.sync_bytes:  # the object's size
                 os.fsync(fd)
         finally:
             os.close(fd)
@@ -173,11 +176,9 @@ def _submit(pool: ThreadPoolExecutor, fn, *args) -> Future:
         return done
 
 
-def _write_all(fd: int, view: memoryview) -> int:
-    n = len(view)
+def _write_all(fd: int, view: memoryview) -> None:
     while view:
         view = view[os.write(fd, view):]
-    return n
 
 
 class Pool:
@@ -229,13 +230,11 @@ class Reader:
     # ------------------------------------------------------------ one object
 
     def read_object(self, key: str, e: TensorEntry, pos: tuple[int, ...], want: Box, dst: np.ndarray) -> None:
-        rel = "/".join((key, "c", *map(str, pos)))
+        rel = f"{key}/{chunk_key(pos)}"
         where = f"{self.url}/{rel}: tensor {key!r}, chunk {pos}"
         d = dtypes.BY_TORCH[e.dtype]
-        inner = e.inner_chunk_shape
-        per = tuple(c // i for c, i in zip(e.chunk_shape, inner))
+        per, encoded = _geometry(e)
         count = math.prod(per)
-        encoded = math.prod(inner) * d.itemsize + 4
         try:
             fd = os.open(os.path.join(self.root, rel), os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
         except FileNotFoundError:
