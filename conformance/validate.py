@@ -341,8 +341,8 @@ def _validate(root: str, report: Report) -> None:
         if "zarr.json" in listing.special:
             report.add("special-file", "zarr.json", f"zarr.json is {listing.special['zarr.json']}")
             return
-        steps = sorted(n for n in os.listdir(root) if re.fullmatch(r"step-\d{8,}", n))
-        if steps and not listing.files.keys() - {f for f in listing.files if f.startswith(tuple(steps))}:
+        steps = sorted(n for n in os.listdir(root) if re.fullmatch(r"step-(?:\d{8}|[1-9]\d{8,})", n))
+        if steps:
             raise Fatal("not a checkpoint", f"{root} looks like a CheckpointManager root (spec/manager.md): "
                         f"validate one of its steps, e.g. {os.path.join(root, steps[-1])}")
         report.status = "incomplete"
@@ -351,6 +351,10 @@ def _validate(root: str, report: Report) -> None:
         report.add("not-committed", "zarr.json", f"{root} holds {what}: the checkpoint is incomplete "
                    f"(an interrupted or unfinished save){more}")
         return
+    name = os.path.basename(root.rstrip("/"))
+    if re.fullmatch(r"\..+\.tensorckpt-(?:staging|retired)-.*", name):
+        report.notes.append(f"{name} is a staging or retired location: readers never use it in place of its target "
+                            "(format-v1.md 10.4, manager.md 1)")
     if leftovers:
         report.notes.append(f"staging leftovers beside the checkpoint (they do not affect it, 10.5): {', '.join(leftovers)}")
     try:

@@ -191,8 +191,11 @@ def key_problem(key: Any) -> str | None:
         return "is empty" if key == "" else "is not a string"
     for part in key.split("/"):
         name = "" if part == "%" else _PCT.sub(lambda m: chr(int(m.group(1), 16)), part)
-        if escape(name) != part:
-            return f"is not in canonical form (component {part!r} encodes back as {escape(name)!r})"
+        again = escape(name)
+        if again is None:
+            return f"is not in canonical form (component {part!r} is longer than 255 bytes or not Unicode text)"
+        if again != part:
+            return f"is not in canonical form (component {part!r} encodes back as {again!r})"
     return None
 
 

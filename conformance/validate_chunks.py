@@ -128,6 +128,17 @@ def check_nodes(root: str, listing: base.Listing, tensors: dict, values: dict, g
             add("group-missing", p, f"{p}/zarr.json is missing: every prefix of a tensor's key must be a group")
     stored: dict[str, dict] = {k: {} for k in tensors}
     stray_arrays: list[str] = []
+    for rel in sorted(listing.files):
+        node = rel[: -len("/zarr.json")] if rel.endswith("/zarr.json") else None
+        if node is None or node in tensor_keys or node in allowed or any(node.startswith(a + "/") for a in stray_arrays):
+            continue
+        try:
+            doc = base.read_json(root, rel, base.NODE_JSON_CAP)
+        except ValueError:
+            continue
+        if isinstance(doc, dict) and doc.get("node_type") == "array":
+            stray_arrays.append(node)
+            add("unindexed-array", node, f"{node} is an array that the root index does not list as a tensor")
     entries = sorted([*((p, s) for p, s in listing.files.items()), *((p, None) for p in listing.special)])
     for rel, size in entries:
         if rel == "zarr.json":
@@ -147,7 +158,7 @@ def check_nodes(root: str, listing: base.Listing, tensors: dict, values: dict, g
                     add("group-metadata", rel, f"{rel} {why}")
             continue
         if any(rel.startswith(a + "/") for a in stray_arrays):
-            continue  # part of an unindexed array, already reported
+            continue  # part of an unindexed array, reported once
         owner = next((p for p in base.prefixes(rel) if p in tensor_keys), None)
         if owner is not None:
             pos = _chunk_position(rel[len(owner) + 1:], tensors[owner], owner in good)
@@ -156,15 +167,6 @@ def check_nodes(root: str, listing: base.Listing, tensors: dict, values: dict, g
                 continue
             if owner not in good:
                 continue  # an invalid entry: its objects cannot be interpreted, the entry is reported
-        if node is not None and size is not None:
-            try:
-                doc = base.read_json(root, rel, base.NODE_JSON_CAP)
-            except ValueError:
-                doc = None
-            if isinstance(doc, dict) and doc.get("node_type") == "array":
-                stray_arrays.append(node)
-                add("unindexed-array", node, f"{node} is an array that the root index does not list as a tensor")
-                continue
         if size is not None:  # special files are reported once, as special-file
             add("unexpected-object", rel, f"{rel} is not an object of the checkpoint (section 4 names no such object)")
     return usable, stored
