@@ -266,11 +266,11 @@ def test_cli_and_module_without_tensorckpt(tmp_path):
             "assert not [m for m in sys.modules if m.split('.')[0] in ('tensorckpt', 'torch', 'tensorstore', 'zarr')]\n"
             "sys.exit(rc)")
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    out = subprocess.run([sys.executable, "-c", code, str(variant)], capture_output=True, text=True, env=env,
+    out = subprocess.run([sys.executable, "-c", code, str(variant)], capture_output=True, text=True, env=env, check=False,
                          cwd=tmp_path, timeout=60)
     assert out.returncode == 1, out.stderr
     assert json.loads(out.stdout)["violations"][0]["section"] == "format-v1.md 7"
-    script = subprocess.run([sys.executable, str(HERE / "validate.py"), str(variant)], capture_output=True, text=True,
+    script = subprocess.run([sys.executable, str(HERE / "validate.py"), str(variant)], capture_output=True, text=True, check=False,
                             env={**os.environ, "PYTHONPATH": ""}, cwd=tmp_path, timeout=60)
     assert script.returncode == 1 and "format-v1.md 7: " in script.stdout, script.stderr
 
@@ -292,3 +292,57 @@ def test_numpy_only_reader_agrees_with_tensorckpt():
     doc = json.loads((ck / "zarr.json").read_bytes())["attributes"]["tensorckpt"]["tensors"]
     read = validate.chunks.TensorReader(str(ck), doc, set(doc))
     np.testing.assert_array_equal(read("rng/python"), tensorckpt.open(ck).read("rng/python").numpy())
+
+
+def _training_state(tmp_path, edit) -> validate.Report:
+    ck = tmp_path / "ck"
+    shutil.copytree(HERE / "golden" / "v1" / "training_state" / "checkpoint", ck)
+    doc = json.loads((ck / "zarr.json").read_bytes())
+    edit(doc["attributes"]["tensorckpt"])
+    (ck / "zarr.json").write_text(json.dumps(doc))
+    return validate.validate(ck)
+
+
+def _rename_state(m: dict) -> None:
+    m["values"]["optim/state/gone/step"] = m["values"].pop("optim/state/0.bias/step")
+
+
+@pytest.mark.parametrize("edit, rule", [
+    (lambda m: m["values"]["optim/param_groups"][0].update(param_names=["a"]), "optimizer-param-groups"),
+    (lambda m: m["values"].update({"optim/extra": 1}), "optimizer-layout"),
+    (_rename_state, "optimizer-fqn"),
+    (lambda m: m["values"].update({"sched/milestones": {"2": 1}}), "scheduler-pairs"),
+    (lambda m: m["values"].update({"data/segments": [[2, [1]]]}), "sampler-counts"),
+    (lambda m: m["values"].update({"data/epoch": 1.0}), "sampler-layout"),
+    (lambda m: m["tensors"]["rng/numpy"].update(shape=[2, 627], chunk_shape=[2, 627], inner_chunk_shape=[2, 627]),
+     "rng-layout"),
+])
+def test_training_state_rules(tmp_path, edit, rule):
+    report = _training_state(tmp_path, edit)
+    assert rule in _rules(report) and _rules(report) <= {rule, "array-index"}, validate.render(report)
+
+
+def test_finite_0d_state_tensor_must_be_a_number(tmp_path):
+    model = torch.nn.Linear(2, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    tensorckpt.save({"model": model.state_dict(), "optim": {
+        "param_groups": [{"lr": 0.1, "params": ["weight", "bias"]}],
+        "state": {"weight": {"step": torch.tensor(3.0)}, "bias": {"step": torch.tensor(float("inf"))}}}}, tmp_path / "ck")
+    del opt
+    report = validate.validate(tmp_path / "ck")
+    assert [(v.rule, v.where) for v in report.violations] == [("optimizer-state-entry", "optim/state/weight/step")]
+
+
+def test_readme_lists_every_rule():
+    text = (HERE / "README.md").read_text()
+    for rule, (section, _) in validate.RULES.items():
+        assert f"| `{rule}` | {section} |" in text, rule
+
+
+def test_manager_root_and_staging_location(tmp_path):
+    tensorckpt.save({"w": torch.ones(2)}, tmp_path / "root" / "step-00000001")
+    report = validate.validate(tmp_path / "root")
+    assert report.exit_code == 2 and "step-00000001" in report.notes[0]
+    (tmp_path / "root" / "step-00000001").rename(tmp_path / "root" / ".step-00000001.tensorckpt-staging-0123456789ab")
+    report = validate.validate(tmp_path / "root" / ".step-00000001.tensorckpt-staging-0123456789ab")
+    assert report.exit_code == 0 and "staging" in report.notes[0]

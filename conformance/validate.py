@@ -39,9 +39,9 @@ try:
     from . import validate_chunks as chunks
     from . import validate_state
 except ImportError:  # run as a script: python conformance/validate.py
-    import validate_base as base  # type: ignore[no-redef]
-    import validate_chunks as chunks  # type: ignore[no-redef]
-    import validate_state  # type: ignore[no-redef]
+    import validate_base as base  # type: ignore[no-redef,import-not-found]
+    import validate_chunks as chunks  # type: ignore[no-redef,import-not-found]
+    import validate_state  # type: ignore[no-redef,import-not-found]
 
 
 DTYPES, MAX_DIM = base.DTYPES, base.MAX_DIM

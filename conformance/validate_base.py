@@ -10,12 +10,13 @@ import json
 import os
 import re
 import stat
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 try:
-    import jsonschema
+    import jsonschema  # type: ignore[import-untyped]
 except ImportError:  # pragma: no cover - the schema checks are skipped, with a note
     jsonschema = None
 

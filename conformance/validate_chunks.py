@@ -21,14 +21,15 @@ from __future__ import annotations
 import math
 import os
 import re
-from typing import Any, Callable, Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import numpy as np
 
 try:
     from . import validate_base as base
 except ImportError:  # run as a script
-    import validate_base as base  # type: ignore[no-redef]
+    import validate_base as base  # type: ignore[no-redef,import-not-found]
 
 Add = Callable[[str, str, str], None]
 INDEX_CAP = 64 << 20  # largest shard index read (4M inner chunks per chunk)
@@ -60,8 +61,8 @@ def array_problems(doc: Any, e: dict) -> tuple[list[str], list[str]]:
     if doc.get("zarr_format") != 3 or doc.get("node_type") != "array":
         meta.append("zarr_format must be 3 and node_type \"array\"")
     codecs = doc.get("codecs")
-    shard = codecs[0] if isinstance(codecs, list) and len(codecs) == 1 and isinstance(codecs[0], dict) else {}
-    cfg = shard.get("configuration") if isinstance(shard.get("configuration"), dict) else {}
+    shard: dict = codecs[0] if isinstance(codecs, list) and len(codecs) == 1 and isinstance(codecs[0], dict) else {}
+    cfg: dict = shard["configuration"] if isinstance(shard.get("configuration"), dict) else {}
     inner_codecs = cfg.get("codecs")
     inner_ok = isinstance(inner_codecs, list) and len(inner_codecs) == 2 and \
         _bytes_codec(inner_codecs[0], itemsize) and inner_codecs[1] == {"name": "crc32c"}
@@ -112,8 +113,8 @@ def check_nodes(root: str, listing: base.Listing, tensors: dict, values: dict, g
             add("array-metadata", rel, f"{rel} {err}")
             continue
         meta, index = array_problems(doc, e)
-        for err in base.schema_errors("array-v1.schema.json", doc):
-            meta.append(f"array schema: {err.message} (at /{'/'.join(map(str, err.absolute_path))})")
+        for problem in base.schema_errors("array-v1.schema.json", doc):
+            meta.append(f"array schema: {problem.message} (at /{'/'.join(map(str, problem.absolute_path))})")
         for m in meta:
             add("array-metadata", rel, f"{rel}: {m}")
         for m in index:
@@ -365,7 +366,7 @@ class TensorReader:
 
     def __call__(self, key: str) -> np.ndarray | None:
         e = self.tensors.get(key)
-        if key not in self.usable or e["dtype"] not in NUMPY:
+        if e is None or key not in self.usable or e["dtype"] not in NUMPY:
             return None
         dt = np.dtype(NUMPY[e["dtype"]])
         if math.prod(e["shape"]) * dt.itemsize > READ_CAP:

@@ -14,15 +14,16 @@ newest version at most its own. A new layout in a new minor version is one new
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 
 try:
     from . import validate_base as base
 except ImportError:  # run as a script
-    import validate_base as base  # type: ignore[no-redef]
+    import validate_base as base  # type: ignore[no-redef,import-not-found]
 
 SCHEMA = "training-state-v1.schema.json"
 MAX_WORLD = 1 << 20  # counts checked per sampler
@@ -151,12 +152,13 @@ def check_sampler_v1(o: Obj) -> None:
         if name in v and not base.is_int(v[name]):
             o.add("sampler-layout", o.at(name), f"{o.at(name)} is {v[name]!r}, not an integer")
     world, n, segs = v.get("world"), v.get("num_samples"), v.get("segments")
-    if not (base.is_int(world) and 1 <= world and base.is_int(n) and n >= 0 and isinstance(segs, list)):
+    if not (isinstance(world, int) and base.is_int(world) and world >= 1 and isinstance(n, int) and base.is_int(n)
+            and n >= 0 and isinstance(segs, list)):
         return
     counts = []
     for r in range(min(world, MAX_WORLD)):
         c = v.get(f"rank/{r}/consumed")
-        if not (base.is_int(c) and c >= 0):
+        if not (isinstance(c, int) and base.is_int(c) and c >= 0):
             o.add("sampler-layout", o.at(f"rank/{r}/consumed"),
                   f"{o.at(f'rank/{r}/consumed')} is {'missing' if c is None else repr(c)}: every rank r < world "
                   f"({world}) has an integer count")
