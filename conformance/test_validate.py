@@ -202,6 +202,7 @@ def test_garbage_root_is_a_violation_not_a_traceback(sharded, data, rule):
     (lambda m: m["values"].update({"x": 2**64}), "value"),
     (lambda m: m.update(world_size=0), "root-metadata"),
     (lambda m: m.update(save_stats={"seconds": {"plan": [-1]}}), "save-stats"),
+    (lambda m: m.update(save_stats={"seconds": {"plan": [1.0, 2.0]}, "bytes_written": [1, 2]}), "save-stats"),
 ])
 def test_root_index_rules(sharded, edit, rule):
     doc = json.loads((sharded / "zarr.json").read_bytes())
@@ -346,3 +347,10 @@ def test_manager_root_and_staging_location(tmp_path):
     (tmp_path / "root" / "step-00000001").rename(tmp_path / "root" / ".step-00000001.tensorckpt-staging-0123456789ab")
     report = validate.validate(tmp_path / "root" / ".step-00000001.tensorckpt-staging-0123456789ab")
     assert report.exit_code == 0 and "staging" in report.notes[0]
+
+
+def test_pure_python_crc32c_matches():
+    data = np.random.default_rng(0).integers(0, 256, 1000, dtype=np.uint8).tobytes()
+    assert validate.base.crc32c_python(b"123456789") == 0xE3069283  # the CRC-32C check value
+    assert validate.base.crc32c_python(data) == validate.base.crc32c(data)
+    assert validate.base.crc32c_python(data[500:], validate.base.crc32c_python(data[:500])) == validate.base.crc32c(data)

@@ -187,7 +187,7 @@ def check_root(doc: Any, report: Report) -> dict:
         if not ok:
             report.add("root-metadata", name, f"attributes.tensorckpt.{name} must be {what}")
     if "save_stats" in meta:
-        _check_save_stats(meta["save_stats"], report)
+        _check_save_stats(meta["save_stats"], meta.get("world_size", 1), report)
     for err in schema_errors("root-v1.schema.json", doc):
         rule, where = _root_rule(err)
         report.add(rule, where, f"root schema: {err.message} (at /{'/'.join(map(str, err.absolute_path))})")
@@ -208,7 +208,7 @@ def _root_rule(err: Any) -> tuple[str, str]:
     return {"format_version": "format-version", "save_stats": "save-stats"}.get(member, "root-metadata"), str(member)
 
 
-def _check_save_stats(stats: Any, report: Report) -> None:
+def _check_save_stats(stats: Any, meta_world: Any, report: Report) -> None:
     ok = isinstance(stats, dict)
     if ok and "seconds" in stats:
         sec = stats["seconds"]
@@ -217,6 +217,11 @@ def _check_save_stats(stats: Any, report: Report) -> None:
             for v in sec.values())
     if ok and "bytes_written" in stats:
         ok = base.ints(stats["bytes_written"], 0, 2**64)
+    world = meta_world if is_int(meta_world) else None
+    if ok and world is not None:
+        lists = [*(stats.get("seconds") or {}).values(), *([stats["bytes_written"]] if "bytes_written" in stats else [])]
+        if any(len(x) != world for x in lists):
+            report.add("save-stats", "save_stats", f"save_stats: every list must have world_size ({world}) items")
     if not ok:
         report.add("save-stats", "save_stats", "save_stats: seconds must map phases to arrays of numbers >= 0 and "
                    "bytes_written be an array of integers >= 0")
@@ -374,6 +379,8 @@ def _validate(root: str, report: Report) -> None:
     report.objects = validate_state.check(meta["format_version"], meta["tensors"], meta["values"], report.add, read)
     if base.jsonschema is None:
         report.notes.append("jsonschema is not installed: the spec's JSON Schemas were not applied")
+    if base.MISSING_SCHEMAS:
+        report.notes.append(f"not found in {base.SCHEMA_DIR}, so not applied: {', '.join(sorted(base.MISSING_SCHEMAS))}")
 
 
 # ------------------------------------------------------------------ command line

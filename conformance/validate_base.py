@@ -20,24 +20,31 @@ try:
 except ImportError:  # pragma: no cover - the schema checks are skipped, with a note
     jsonschema = None
 
+_TABLE = []
+for _i in range(256):
+    _c = _i
+    for _ in range(8):
+        _c = (_c >> 1) ^ 0x82F63B78 if _c & 1 else _c >> 1
+    _TABLE.append(_c)
+
+
+def crc32c_python(data: bytes, crc: int = 0) -> int:
+    """CRC-32C (Castagnoli, RFC 3720) in pure Python: the fallback without google_crc32c."""
+    crc ^= 0xFFFFFFFF
+    for b in bytes(data):
+        crc = _TABLE[(crc ^ b) & 0xFF] ^ (crc >> 8)
+    return crc ^ 0xFFFFFFFF
+
+
 try:
     import google_crc32c as _gcrc
 
     def crc32c(data: bytes, crc: int = 0) -> int:
+        """CRC-32C of ``data``, continuing from ``crc``."""
         return _gcrc.extend(crc, bytes(data)) if crc else _gcrc.value(bytes(data))
 except ImportError:  # pragma: no cover - exercised only where google_crc32c is absent
-    _TABLE = []
-    for _i in range(256):
-        _c = _i
-        for _ in range(8):
-            _c = (_c >> 1) ^ 0x82F63B78 if _c & 1 else _c >> 1
-        _TABLE.append(_c)
+    crc32c = crc32c_python
 
-    def crc32c(data: bytes, crc: int = 0) -> int:
-        crc ^= 0xFFFFFFFF
-        for b in bytes(data):
-            crc = _TABLE[(crc ^ b) & 0xFF] ^ (crc >> 8)
-        return crc ^ 0xFFFFFFFF
 
 SCHEMA_DIR = Path(__file__).resolve().parent.parent / "spec" / "schema"
 NODE_JSON_CAP = 1 << 20  # largest array / group zarr.json read
@@ -215,6 +222,7 @@ def prefixes(key: str) -> Iterator[str]:
 # ------------------------------------------------------------------ schemas
 
 _VALIDATORS: dict[str, Any] = {}
+MISSING_SCHEMAS: set[str] = set()  # schema files not found next to the validator (their checks are skipped)
 
 
 def schema_errors(schema: str, doc: Any, definition: str | None = None) -> list[Any]:
@@ -223,7 +231,11 @@ def schema_errors(schema: str, doc: Any, definition: str | None = None) -> list[
         return []
     name = f"{schema}#{definition}"
     if name not in _VALIDATORS:
-        data = json.loads((SCHEMA_DIR / schema).read_text(encoding="utf-8"))
+        try:
+            data = json.loads((SCHEMA_DIR / schema).read_text(encoding="utf-8"))
+        except OSError:
+            MISSING_SCHEMAS.add(schema)
+            return []
         if definition is not None:
             data = {"$ref": f"#/$defs/{definition}", "$defs": data["$defs"]}
         _VALIDATORS[name] = jsonschema.Draft202012Validator(data)
