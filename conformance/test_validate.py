@@ -354,3 +354,11 @@ def test_pure_python_crc32c_matches():
     assert validate.base.crc32c_python(b"123456789") == 0xE3069283  # the CRC-32C check value
     assert validate.base.crc32c_python(data) == validate.base.crc32c(data)
     assert validate.base.crc32c_python(data[500:], validate.base.crc32c_python(data[:500])) == validate.base.crc32c(data)
+
+
+def test_object_rules_find_their_keys():
+    st = validate.validate_state
+    rule = st.ObjectRule("x", ("class",), lambda o: None, any_of=("group_of/",))
+    values = {"a/b/class": "AdamW", "a/b/group_of/w": "0" * 16, "c/class": "SGD", "class": 1, "group_of/v": 1}
+    assert st.find(rule, {}, values) == ["", "a/b"]
+    assert st.rules_for((1, 1)) == st.BY_VERSION[(1, 0)] and st.rules_for(None) == st.BY_VERSION[max(st.BY_VERSION)]

@@ -242,6 +242,16 @@ def schema_errors(schema: str, doc: Any, definition: str | None = None) -> list[
     return list(_VALIDATORS[name].iter_errors(doc))
 
 
+def first_def(schema: str, *names: str) -> str:
+    """The first of ``names`` that spec/schema/<schema> defines (a definition
+    renamed by a later minor version, e.g. optimizerValues -> optimizerValues11)."""
+    try:
+        defs = json.loads((SCHEMA_DIR / schema).read_text(encoding="utf-8")).get("$defs", {})
+    except (OSError, ValueError):
+        return names[-1]
+    return next((n for n in names if n in defs), names[-1])
+
+
 def is_int(x: Any) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 

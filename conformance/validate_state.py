@@ -68,7 +68,8 @@ class Obj:
 @dataclass(frozen=True)
 class ObjectRule:
     name: str
-    markers: tuple[str, ...]  # value keys (or, with on_tensors, tensor keys) that all mark the object at K
+    markers: tuple[str, ...]  # value keys (or, with on_tensors, tensor keys) that all mark the object at K;
+    # the first is a whole key (it locates K), the others may end in '/' (any key below it)
     check: Callable[[Obj], None]
     on_tensors: bool = False
     any_of: tuple[str, ...] = ()  # and at least one of these
@@ -81,11 +82,16 @@ def _split(key: str, marker: str) -> str | None:
 
 
 def find(rule: ObjectRule, tensors: dict, values: dict) -> list[str]:
-    """The object keys K that carry every marker of ``rule``."""
+    """The object keys K that carry every marker of ``rule`` (and one of ``any_of``).
+    A marker is the rest of a key after 'K/'; one ending in '/' (``group_of/``)
+    stands for any key below it."""
     where = tensors if rule.on_tensors else values
+    below = {p for key in where for p in base.prefixes(key)}
     first = {k for k in (_split(key, rule.markers[0]) for key in where) if k is not None}
+
     def has(k: str, m: str) -> bool:
-        return (f"{k}/{m}" if k else m) in where
+        key = f"{k}/{m}" if k else m
+        return key[:-1] in below if m.endswith("/") else key in where
 
     return sorted(k for k in first if all(has(k, m) for m in rule.markers[1:])
                   and (not rule.any_of or any(has(k, m) for m in rule.any_of)))
@@ -102,7 +108,9 @@ def _under(d: dict, key: str) -> dict:
 
 
 def check_optimizer_v1(o: Obj) -> None:
-    o.schema("optimizerValues", o.values, "optimizer-layout",
+    """The 1.0/1.1 layout: K/param_groups (training-state.md 4.2 of 1.1; 4.4 since 1.2)."""
+    values_def = base.first_def(SCHEMA, "optimizerValues11", "optimizerValues")  # renamed when 1.2 came
+    o.schema(values_def, o.values, "optimizer-layout",
              lambda path: "optimizer-param-groups" if path[:1] == ["param_groups"] else "optimizer-layout")
     o.schema("optimizerTensors", o.tensors, "optimizer-layout")
     groups = o.values.get("param_groups")
