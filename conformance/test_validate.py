@@ -362,3 +362,61 @@ def test_object_rules_find_their_keys():
     values = {"a/b/class": "AdamW", "a/b/group_of/w": "0" * 16, "c/class": "SGD", "class": 1, "group_of/v": 1}
     assert st.find(rule, {}, values) == ["", "a/b"]
     assert st.rules_for((1, 1)) == st.BY_VERSION[(1, 0)] and st.rules_for(None) == st.BY_VERSION[max(st.BY_VERSION)]
+
+
+def test_every_flipped_chunk_byte_is_caught_and_no_input_raises(sharded):
+    """Flip random bytes: in a chunk object every flip is a violation; in a
+    zarr.json a flip may be harmless, but never makes the validator fail."""
+    rng = np.random.default_rng(7)
+    files = sorted(p for p in sharded.rglob("*") if p.is_file())
+    for p in files:
+        original = p.read_bytes()
+        for at in rng.choice(len(original), size=min(len(original), 8), replace=False):
+            data = bytearray(original)
+            data[at] ^= 1 << int(rng.integers(8))
+            p.write_bytes(bytes(data))
+            report = validate.validate(sharded)
+            assert report.status != "unreadable", (p, at, report.notes)
+            if p.name != "zarr.json":
+                assert report.exit_code == 1 and _rules(report) <= {"chunk-crc", "index-crc", "index-entry",
+                                                                       "index-empty", "index-layout"}, (p, at)
+        p.write_bytes(original)
+    _clean(sharded)
+
+
+def _paths(doc, prefix=()):
+    yield prefix
+    if isinstance(doc, dict):
+        for k, v in doc.items():
+            yield from _paths(v, (*prefix, k))
+    elif isinstance(doc, list):
+        for i, v in enumerate(doc):
+            yield from _paths(v, (*prefix, i))
+
+
+@pytest.mark.parametrize("golden", ["basic", "training_state"])
+def test_mutated_metadata_never_breaks_the_validator(tmp_path, golden):
+    """Replace random parts of the root and array zarr.json with JSON of other types."""
+    ck = tmp_path / "ck"
+    shutil.copytree(HERE / "golden" / "v1" / golden / "checkpoint", ck)
+    docs = [p for p in sorted(ck.rglob("zarr.json")) if p.parent == ck or "node_type\": \"array" in p.read_text()][:4]
+    junk = [None, [], {}, "x", "%", 1.5, -1, 2**70, [[1, "a"]], {"a": [None]}, True, [1.0, 2.0]]
+    rng = np.random.default_rng(3)
+    for p in docs:
+        original = p.read_bytes()
+        paths = list(_paths(json.loads(original)))
+        for _ in range(25):
+            doc = json.loads(original)
+            where = paths[int(rng.integers(len(paths)))]
+            value = junk[int(rng.integers(len(junk)))]
+            if not where:
+                doc = value
+            else:
+                node = doc
+                for k in where[:-1]:
+                    node = node[k]
+                node[where[-1]] = value
+            p.write_text(json.dumps(doc))
+            report = validate.validate(ck)
+            assert report.status != "unreadable", (p, where, value, report.notes)
+        p.write_bytes(original)

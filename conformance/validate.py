@@ -157,7 +157,9 @@ def check_root(doc: Any, report: Report) -> dict:
     metadata (possibly malformed members replaced by defaults)."""
     if not isinstance(doc, dict) or not isinstance(doc.get("attributes"), dict) or \
             not isinstance(doc["attributes"].get("tensorckpt"), dict):
-        if isinstance(doc, dict) and doc.get("zarr_format") == 3 and "tensorckpt" not in (doc.get("attributes") or {}):
+        attrs = doc.get("attributes") if isinstance(doc, dict) else None
+        if isinstance(doc, dict) and doc.get("zarr_format") == 3 and (attrs is None or isinstance(attrs, dict)
+                                                                       and "tensorckpt" not in attrs):
             raise Fatal("not a checkpoint", "the root zarr.json is a Zarr document without attributes.tensorckpt")
         report.add("root-document", "zarr.json", "zarr.json: not a Zarr v3 group with an object attributes.tensorckpt")
         raise Fatal("violations", "the root metadata cannot be read")
@@ -167,14 +169,15 @@ def check_root(doc: Any, report: Report) -> dict:
     fv = meta.get("format_version")
     m = re.fullmatch(r"(0|[1-9][0-9]{0,4})\.(0|[1-9][0-9]{0,4})", fv) if isinstance(fv, str) else None
     if m is None:
-        report.add("format-version", "format_version", f"format_version {fv!r} is not a string \"MAJOR.MINOR\"")
+        report.add("format-version", "format_version",
+                   f"format_version {base.short(fv)} is not a string \"MAJOR.MINOR\"")
     else:
         report.format_version = fv
         if int(m.group(1)) != 1:
             raise Fatal("unsupported", f"format_version {fv}: this validator implements major version 1 only")
     mu = meta.get("must_understand", [])
     if isinstance(mu, list) and mu:
-        raise Fatal("unsupported", f"must_understand lists {mu!r}; no extension is registered in version 1 (section 13)")
+        raise Fatal("unsupported", f"must_understand lists {base.short(mu)}; no extension is registered in version 1 (section 13)")
     for name, ok, what in (
         ("must_understand", isinstance(mu, list) and all(isinstance(x, str) and x for x in mu), "an array of strings"),
         ("library_version", isinstance(meta.get("library_version", ""), str), "a string"),
@@ -234,15 +237,15 @@ def entry_problem(e: Any) -> str | None:
     for m in ("dtype", "data_type", "shape", "chunk_shape", "inner_chunk_shape"):
         if m not in e:
             return f"lacks the REQUIRED member {m!r}"
-    if e["dtype"] not in DTYPES:
-        return f"has dtype {e['dtype']!r}, which is not in the table of section 6"
+    if not isinstance(e["dtype"], str) or e["dtype"] not in DTYPES:
+        return f"has dtype {base.short(e['dtype'])}, which is not in the table of section 6"
     if e["data_type"] != DTYPES[e["dtype"]][0]:
-        return f"has data_type {e['data_type']!r}; dtype {e['dtype']} requires {DTYPES[e['dtype']][0]!r}"
+        return f"has data_type {base.short(e['data_type'])}; dtype {e['dtype']} requires {DTYPES[e['dtype']][0]!r}"
     if not base.ints(e["shape"], 0, MAX_DIM):
-        return f"has shape {e['shape']!r}: not a list of integers in [0, 2^62]"
+        return f"has shape {base.short(e['shape'])}: not a list of integers in [0, 2^62]"
     for m in ("chunk_shape", "inner_chunk_shape"):
         if not base.ints(e[m], 1, MAX_DIM):
-            return f"has {m} {e[m]!r}: not a list of integers in [1, 2^62]"
+            return f"has {m} {base.short(e[m])}: not a list of integers in [1, 2^62]"
     if not len(e["shape"]) == len(e["chunk_shape"]) == len(e["inner_chunk_shape"]) <= 32:
         return "has shape, chunk_shape and inner_chunk_shape of different lengths (or more than 32 dimensions)"
     if any(c % i for c, i in zip(e["chunk_shape"], e["inner_chunk_shape"])):
@@ -396,7 +399,12 @@ def render(report: Report) -> str:
     lines.append(f"violations  {len(report.violations)}")
     lines += [f"  {v.section}: {v.message}  [{v.rule}]" for v in report.violations]
     lines += [f"note: {n}" for n in report.notes]
-    return "\n".join(lines)
+    return "\n".join(_printable(line) for line in lines)
+
+
+def _printable(line: str) -> str:
+    """Escape control characters (a stored file name must not drive the terminal)."""
+    return line if line.isprintable() else "".join(c if c.isprintable() else repr(c)[1:-1] for c in line)
 
 
 def main(argv: list[str] | None = None, out: Any = None) -> int:

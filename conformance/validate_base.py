@@ -239,7 +239,30 @@ def schema_errors(schema: str, doc: Any, definition: str | None = None) -> list[
         if definition is not None:
             data = {"$ref": f"#/$defs/{definition}", "$defs": data["$defs"]}
         _VALIDATORS[name] = jsonschema.Draft202012Validator(data)
-    return list(_VALIDATORS[name].iter_errors(doc))
+    try:
+        return list(_VALIDATORS[name].iter_errors(doc))
+    except RecursionError:
+        return [_TooDeep(doc)]
+
+
+class _TooDeep:
+    """Stands for a schema error where the document is nested too deeply to check."""
+
+    message = "is nested too deeply to check against the schema"
+    absolute_path: tuple = ()
+    absolute_schema_path: tuple = ()
+
+    def __init__(self, instance: Any) -> None:
+        self.instance = instance
+
+
+def short(x: Any, limit: int = 80) -> str:
+    """A bounded one-line rendering of JSON data for messages (repr of deeply nested data can fail)."""
+    try:
+        text = json.dumps(x, ensure_ascii=False)
+    except (ValueError, TypeError, RecursionError):
+        text = f"<{type(x).__name__}>"
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def first_def(schema: str, *names: str) -> str:

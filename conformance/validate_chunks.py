@@ -78,16 +78,16 @@ def array_problems(doc: Any, e: dict) -> tuple[list[str], list[str]]:
         meta.append('chunk_key_encoding must be {"name": "default", "configuration": {"separator": "/"}}')
     index: list[str] = []
     if not _same_ints(doc.get("shape"), e["shape"]):
-        index.append(f"shape {doc.get('shape')!r} differs from the index's {e['shape']}")
+        index.append(f"shape {base.short(doc.get('shape'))} differs from the index's {e['shape']}")
     if doc.get("data_type") != data_type:
         index.append(f"data_type {doc.get('data_type')!r} differs from {data_type!r} (dtype {dtype})")
     grid = doc.get("chunk_grid")
     chunk = grid.get("configuration", {}).get("chunk_shape") if isinstance(grid, dict) and \
         isinstance(grid.get("configuration"), dict) else None
     if not isinstance(grid, dict) or grid.get("name") != "regular" or not _same_ints(chunk, e["chunk_shape"]):
-        index.append(f"chunk_grid {grid!r} is not regular with the index's chunk_shape {e['chunk_shape']}")
+        index.append(f"chunk_grid {base.short(grid)} is not regular with the index's chunk_shape {e['chunk_shape']}")
     if not _same_ints(cfg.get("chunk_shape"), e["inner_chunk_shape"]):
-        index.append(f"inner chunk_shape {cfg.get('chunk_shape')!r} differs from the index's {e['inner_chunk_shape']}")
+        index.append(f"inner chunk_shape {base.short(cfg.get('chunk_shape'))} differs from the index's {e['inner_chunk_shape']}")
     attrs = doc.get("attributes")
     tc = attrs.get("tensorckpt") if isinstance(attrs, dict) else None
     if not isinstance(tc, dict) or tc.get("dtype") != dtype:

@@ -143,7 +143,7 @@ def check_scheduler_v1(o: Obj) -> None:
     if "milestones" in o.values and m != {}:
         ok = isinstance(m, list) and not base.schema_errors(SCHEMA, m, "schedulerPairs")
         if not ok:
-            o.add("scheduler-pairs", o.at("milestones"), f"{o.at('milestones')} is {m!r}: MultiStepLR's milestones "
+            o.add("scheduler-pairs", o.at("milestones"), f"{o.at('milestones')} is {base.short(m)}: MultiStepLR's milestones "
                   "(a Counter of int keys) must be stored as an array of [key, value] arrays")
 
 
@@ -158,7 +158,7 @@ def check_sampler_v1(o: Obj) -> None:
     v = o.values
     for name in ("num_samples", "seed", "epoch", "world"):
         if name in v and not base.is_int(v[name]):
-            o.add("sampler-layout", o.at(name), f"{o.at(name)} is {v[name]!r}, not an integer")
+            o.add("sampler-layout", o.at(name), f"{o.at(name)} is {base.short(v[name])}, not an integer")
     world, n, segs = v.get("world"), v.get("num_samples"), v.get("segments")
     if not (isinstance(world, int) and base.is_int(world) and world >= 1 and isinstance(n, int) and base.is_int(n)
             and n >= 0 and isinstance(segs, list)):
@@ -168,7 +168,7 @@ def check_sampler_v1(o: Obj) -> None:
         c = v.get(f"rank/{r}/consumed")
         if not (isinstance(c, int) and base.is_int(c) and c >= 0):
             o.add("sampler-layout", o.at(f"rank/{r}/consumed"),
-                  f"{o.at(f'rank/{r}/consumed')} is {'missing' if c is None else repr(c)}: every rank r < world "
+                  f"{o.at(f'rank/{r}/consumed')} is {'missing' if c is None else base.short(c)}: every rank r < world "
                   f"({world}) has an integer count")
             return
         counts.append(c)
@@ -177,7 +177,7 @@ def check_sampler_v1(o: Obj) -> None:
         where = o.at("segments") if j < len(segs) else o.at("rank")
         if not (isinstance(seg, list) and len(seg) == 2 and base.is_int(seg[0]) and seg[0] >= 1 and
                 isinstance(seg[1], list) and len(seg[1]) == seg[0] and all(base.is_int(c) and c >= 0 for c in seg[1])):
-            o.add("sampler-counts", where, f"{where}: segment {j} {seg!r} must be [world, [count, ...]] with one count "
+            o.add("sampler-counts", where, f"{where}: segment {j} {base.short(seg)} must be [world, [count, ...]] with one count "
                   "per rank of its world")
             return
         w, cs = seg
@@ -199,7 +199,7 @@ def check_rng_v1(o: Obj) -> None:
         o.add("rng-layout", o.key, f"{o.key or '(top)'}: an RNG state holds only tensors, but "
               f"{sorted(o.values)[:3]} are values")
     ranks = {name: e["shape"][0] for name, e in o.tensors.items() if isinstance(e, dict) and
-             isinstance(e.get("shape"), list) and len(e["shape"]) == 2}
+             isinstance(e.get("shape"), list) and len(e["shape"]) == 2 and base.is_int(e["shape"][0])}
     if len(set(ranks.values())) > 1:
         o.add("rng-layout", o.key, f"{o.key or '(top)'}: the members disagree on the number of ranks S: {ranks}")
     for name, width, check in (("python", 628, _python_row), ("numpy", 627, _numpy_row)):
