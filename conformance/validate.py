@@ -377,7 +377,7 @@ def _validate(root: str, report: Report) -> None:
         report.add("special-file", rel, f"{rel} is {what}; it is not read")
     usable, stored = chunks.check_nodes(root, listing, meta["tensors"], meta["values"], tensors, report.add)
     for key in sorted(usable):
-        report.chunks += chunks.check_chunks(root, key, tensors[key], stored[key], report.add)
+        report.chunks += chunks.check_chunks(root, key, tensors[key], stored[key], report.add, report.notes)
     read = chunks.TensorReader(root, tensors, usable)
     report.objects = validate_state.check(meta["format_version"], meta["tensors"], meta["values"], report.add, read)
     if base.jsonschema is None:

@@ -122,8 +122,9 @@ def check_nodes(root: str, listing: base.Listing, tensors: dict, values: dict, g
         if not meta and not index:
             usable.add(key)
     tensor_keys = set(tensors)
-    required = {p for k in tensor_keys for p in base.prefixes(k)}
-    allowed = required | {p for k in values for p in base.prefixes(k)}
+    canonical = [k for k in (*tensors, *values) if base.key_problem(k) is None]  # others are reported already
+    required = {p for k in canonical if k in tensor_keys for p in base.prefixes(k)}
+    allowed = {p for k in canonical for p in base.prefixes(k)}
     for p in sorted(required):
         if f"{p}/zarr.json" not in listing.files and f"{p}/zarr.json" not in listing.special:
             add("group-missing", p, f"{p}/zarr.json is missing: every prefix of a tensor's key must be a group")
@@ -242,8 +243,10 @@ class Geometry:
         return origin, tuple(slice(0, min(s, n - o)) for s, n, o in zip(self.inner, self.shape, origin))
 
 
-def check_chunks(root: str, key: str, e: dict, stored: dict[tuple[int, ...], int | None], add: Add) -> int:
-    """Every chunk of tensor ``key``; returns how many chunk objects were checked."""
+def check_chunks(root: str, key: str, e: dict, stored: dict[tuple[int, ...], int | None], add: Add,
+                 notes: list[str] | None = None) -> int:
+    """Every chunk of tensor ``key``; returns how many chunk objects were checked.
+    What the validator's limits leave unchecked is appended to ``notes``."""
     grid = [-(-s // c) for s, c in zip(e["shape"], e["chunk_shape"])]
     total = math.prod(grid)
     missing = total - len(stored)
@@ -265,13 +268,13 @@ def check_chunks(root: str, key: str, e: dict, stored: dict[tuple[int, ...], int
         checked += 1
         rel = f"{key}/{chunk_name(pos)}"
         try:
-            _check_object(root, rel, e, pos, size, add)
+            _check_object(root, rel, e, pos, size, add, notes if notes is not None else [])
         except OSError as err:
             add("chunk-size", rel, f"{rel} cannot be read ({err.strerror})")
     return checked
 
 
-def _check_object(root: str, rel: str, e: dict, pos: tuple[int, ...], size: int, add: Add) -> None:
+def _check_object(root: str, rel: str, e: dict, pos: tuple[int, ...], size: int, add: Add, notes: list[str]) -> None:
     g = Geometry(e, pos)
     need, most = g.bounds
     if not need <= size <= most:
@@ -280,7 +283,8 @@ def _check_object(root: str, rel: str, e: dict, pos: tuple[int, ...], size: int,
         add("chunk-size", rel, f"{rel} {what}")
         return
     if g.index_len > INDEX_CAP:
-        add("chunk-size", rel, f"{rel}: its index of {g.index_len} bytes exceeds what the validator reads ({INDEX_CAP}); not checked")
+        notes.append(f"{rel}: its shard index of {g.index_len} bytes is larger than the validator reads ({INDEX_CAP}); "
+                     "its index and inner chunks were not checked")
         return
     fd = base.open_file(root, rel)
     try:
