@@ -115,10 +115,10 @@ def check_nodes(root: str, listing: base.Listing, tensors: dict, values: dict, g
         meta, index = array_problems(doc, e)
         for problem in base.schema_errors("array-v1.schema.json", doc):
             meta.append(f"array schema: {problem.message} (at /{'/'.join(map(str, problem.absolute_path))})")
-        for m in meta:
-            add("array-metadata", rel, f"{rel}: {m}")
-        for m in index:
-            add("array-index", rel, f"{rel} disagrees with tensor {key!r} of the root index: {m}")
+        if meta:
+            add("array-metadata", rel, f"{rel}: {'; '.join(meta)}")
+        if index:
+            add("array-index", rel, f"{rel} disagrees with tensor {key!r} of the root index: {'; '.join(index)}")
         if not meta and not index:
             usable.add(key)
     tensor_keys = set(tensors)
