@@ -13,6 +13,11 @@
                                        checkpoint, never a save in progress)
     tensorckpt list ROOT [--json]      the steps of a CheckpointManager root:
                                        step, committed or incomplete, size
+    tensorckpt validate PATH [--json]  check a checkpoint against every MUST of
+                                       the spec that storage shows, naming the
+                                       section each violation breaks
+                                       (conformance/validate.py; exit 0 clean,
+                                       1 violations, 2 not a checkpoint)
 
 Exit status: 0 success, 1 incomplete or corrupt checkpoint (inspect,
 verify), 2 usage or other errors.
@@ -173,6 +178,24 @@ def list_steps(root: str, as_json: bool = False, out=None) -> int:
     return 0
 
 
+def validate(path: str, as_json: bool = False, out=None) -> int:
+    """``python -m conformance.validate PATH``: the validator lives in the
+    conformance directory of a source checkout, and imports no tensorckpt."""
+    try:
+        from conformance import validate as validator
+    except ImportError:
+        import os
+
+        repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        if not os.path.isfile(os.path.join(repo, "conformance", "validate.py")):
+            print("tensorckpt: error: validate needs the conformance/ directory of a tensorckpt source checkout",
+                  file=sys.stderr)
+            return 2
+        sys.path.insert(0, repo)
+        from conformance import validate as validator
+    return validator.main([path, *(["--json"] if as_json else [])], out=out)
+
+
 def _seconds(text: str) -> float:
     try:
         value = float(text)
@@ -203,8 +226,13 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("list", help="list the steps of a CheckpointManager root (committed or incomplete, size)")
     p.add_argument("root")
     p.add_argument("--json", action="store_true", help="print the steps as JSON")
+    p = sub.add_parser("validate", help="check a checkpoint against every MUST of the spec (exit 1 on a violation)")
+    p.add_argument("path")
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
     args = parser.parse_args(argv)
     try:
+        if args.command == "validate":
+            return validate(args.path, args.json)
         if args.command == "verify":
             return verify(args.path, args.json, args.quiet)
         if args.command == "clean":
