@@ -131,7 +131,7 @@ class Group:
                     result, e = _attempt(reduce, [r for r, _ in gathered] if gathered is not None else [])
                     if e is not None:
                         exc = exc or e
-                        failures = [Failure.of(0, e)]
+                        failures = [Failure.of(0, e)._replace(gathered=True)]
                 decision = (result, failures)
             out, failures = self.broadcast(decision)
         if failures:
@@ -149,6 +149,7 @@ class Failure(NamedTuple):
     rank: int
     cls: str
     message: str
+    gathered: bool = False  # raised by rank 0 while combining every rank's results (not by its own part)
 
     @classmethod
     def of(cls, rank: int, e: BaseException) -> Failure:
@@ -193,11 +194,18 @@ def combined(failures: list[Failure], what: str, size: int) -> errors.Tensorckpt
     (see :func:`_error_class`); its ``failures`` attribute lists them."""
     failures = sorted(failures, key=lambda f: f.rank)
     ranks = [f.rank for f in failures]
-    if len(failures) == 1:
-        f = failures[0]
-        msg = f"{what} failed on rank {f.rank} of {size}: {f.cls}: {f.message}"
+    alike: dict[tuple[str, str], list[int]] = {}  # ranks failing the same way are named together
+    for f in failures:
+        alike.setdefault((f.cls, f.message), []).append(f.rank)
+    if failures[0].gathered:
+        msg = f"{what} failed (found by rank 0 in the results of all {size} ranks): {failures[0].cls}: {failures[0].message}"
+    elif len(alike) == 1:
+        msg = f"{what} failed on rank{'s' if len(ranks) > 1 else ''} {ranks if len(ranks) > 1 else ranks[0]} of {size}: {failures[0].cls}: {failures[0].message}"
     else:
-        msg = f"{what} failed on ranks {ranks} of {size}:" + "".join(f"\n  rank {f.rank}: {f.cls}: {f.message}" for f in failures)
+        msg = f"{what} failed on ranks {ranks} of {size}:" + "".join(
+            f"\n  rank{'s' if len(rs) > 1 else ''} {rs if len(rs) > 1 else rs[0]}: {cls}: {message}"
+            for (cls, message), rs in alike.items()
+        )
     err = _error_class(failures[0].cls)(msg)
     err.failures = tuple(failures)
     return err

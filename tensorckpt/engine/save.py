@@ -42,7 +42,7 @@ from ..layout.boxes import Box, chunk_box, read_plan
 from ..layout.plan import LocalItem, LocalPlan, SavePlan, build_save_plan, merge_values, plan_bytes
 from ..storage import arrays, commit, direct, kv, location
 from .group import Group, _attempt
-from .replicas import check_replicas, digests_of
+from .replicas import check_not_flat, check_replicas, digests_of
 
 _GROUP_JSON = dumps({"zarr_format": 3, "node_type": "group", "attributes": {}})
 OPTIONS = ("metadata", "shard_bytes", "inner_chunk_bytes")
@@ -209,6 +209,7 @@ def _local_plan(state: Mapping, g: Group, loc: location.Location, options: Mappi
     leaves = flatten(state)
     for key, leaf in leaves.items():
         if leaf.is_tensor:
+            check_not_flat(key, leaf.value)
             t, shape, box = local_part(key, leaf.value)
             check_tensor(key, t)
             items.append(LocalItem(key, dtypes.for_torch(t.dtype, key).torch_name, shape, box))
