@@ -164,7 +164,12 @@ def worker(rank: int, world: int, base: str) -> dict:
     }
 
 
+_RUN: list = []  # the run, once per session: each test module imports the fixture, pytest sets it up per module
+
+
 @pytest.fixture(scope="session")
 def engine_runs(tmp_path_factory):
-    base = tmp_path_factory.mktemp("engine_dist")
-    return base, dist.run(WORLD, worker, str(base), timeout=240)
+    if not _RUN:
+        base = tmp_path_factory.mktemp("engine_dist")
+        _RUN.append((base, dist.run(WORLD, worker, str(base), timeout=240)))
+    return _RUN[0]
