@@ -316,7 +316,7 @@ class CheckpointManager:
             except Exception:  # noqa: BLE001 - raised on every rank alike (load's errors are collective)
                 if step is not None or attempt == RESTORE_ATTEMPTS - 1:
                     raise
-                gone = g.collective(None, lambda _: not self._scan().get(s, _Entry()).committed,
+                gone = g.collective(None, lambda _, s=s: not self._scan().get(s, _Entry()).committed,
                                     what=f"restore in {self.path}")
                 if not gone:
                     raise  # still committed: a real problem with the step, not a race with retention

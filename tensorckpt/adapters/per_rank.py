@@ -27,7 +27,6 @@ from .rng import key_in_state
 from .sharded import ShardedTensor, is_tensor_leaf
 from .state import unflatten
 
-
 ROWS = "rows"  # K/rows: the [world, ...] tensor of a per-rank tensor
 
 

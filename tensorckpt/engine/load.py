@@ -15,6 +15,7 @@ none for the data itself.
 from __future__ import annotations
 
 import collections
+import itertools
 import time
 import warnings
 from collections.abc import MutableMapping
@@ -33,7 +34,6 @@ from ..format import dtypes
 from ..layout.boxes import Box, bytes_fetched
 from ..storage import direct, location
 from .group import Group
-
 
 IN_FLIGHT_BYTES = 128 << 20  # reads issued ahead of the oldest unfinished one
 SLAB_BYTES = 32 << 20  # the largest buffer one read fills (targets it cannot fill directly, casts)
@@ -196,7 +196,7 @@ def _slabs(e, box: Box, itemsize: int) -> list[tuple[slice, Box]]:
     start, end = box.offset[0], box.end[0]
     cuts = [start, *range(-(-(start + 1) // step) * step, end, step), end]
     out = []
-    for a, b in zip(cuts, cuts[1:]):
+    for a, b in itertools.pairwise(cuts):
         if b > a:
             out.append((slice(a - start, b - start), Box((a, *box.offset[1:]), (b - a, *box.shape[1:]))))
     return out

@@ -106,6 +106,6 @@ def check_replicas(digests: list[Mapping[str, int]]) -> None:
         shown.append(f"{key!r}: " + " vs ".join(f"ranks {g}" if len(g) > 1 else f"rank {g[0]}" for g in groups))
     more = f" and {len(bad) - 5} more keys" if len(bad) > 5 else ""
     raise IncompatibleStateError(
-        f"plain tensors differ across the ranks that hold them (they would be stored once, from one rank): "
+        "plain tensors differ across the ranks that hold them (they would be stored once, from one rank): "
         + "; ".join(shown) + more + f". Nothing was written. {WHAT_TO_DO}"
     )
