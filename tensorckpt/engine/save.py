@@ -1,8 +1,10 @@
 """Save: a collective over the process group (trivial in one process).
 
-    every rank   flatten its state -> local plan (what it holds of each tensor)
-    gather       local plans -> rank 0                            (collective 1)
-    rank 0       global plan (chunk grids, one writer per stored object),
+    every rank   flatten its state -> local plan (what it holds of each tensor),
+                 a CRC-32C of each plain (replicated) tensor
+    gather       local plans and digests -> rank 0                (collective 1)
+    rank 0       replicas and values agree across ranks (engine/replicas.py),
+                 global plan (chunk grids, one writer per stored object),
                  commit.begin (exists? where to write)
     broadcast    plan + commit decision, or an error              (collective 2)
     all-to-all   parts of boxes that chunks of other ranks need   (only if the
@@ -13,7 +15,9 @@
     rank 0       commit (root zarr.json last), or abort
     broadcast    outcome                                          (collective 4)
 
-The number of collectives is constant (4, or 5 with an exchange), whatever
+Each step that may fail runs through ``Group.collective``: a failure on any
+rank is raised on every rank, naming every failing rank. The number of
+collectives is constant (4, or 5 with an exchange), whatever
 the number of tensors. A save whose tensor layout (keys, shapes, dtypes,
 boxes) is the same on every rank as in the previous successful save over the
 same group reuses that save's plan: ranks send only their values, and rank 0
