@@ -183,7 +183,9 @@ def async_save(
     if failed is not None:  # raise what every other rank's handle raises: the error naming every failing rank
         handle._observed = True
         handle._done.wait()
-        raise handle._error from failed
+        if handle._error is not None:
+            raise handle._error from failed
+        raise failed
     return handle
 
 

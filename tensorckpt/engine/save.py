@@ -31,6 +31,7 @@ import os
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 import torch
 
@@ -128,7 +129,7 @@ def run(state: Mapping, loc: location.Location, g: Group, overwrite: bool, optio
     raised on every rank, naming every failing rank (:meth:`Group.collective`)."""
     t0 = time.perf_counter()
     cache_key = (id(g.pg), g.size, options.get("shard_bytes"), options.get("inner_chunk_bytes"))
-    layout = None
+    layout: Any = None  # this rank's items, kept for the plan cache
 
     def local_plan():
         nonlocal layout
