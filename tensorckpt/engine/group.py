@@ -149,7 +149,7 @@ class Failure(NamedTuple):
     rank: int
     cls: str
     message: str
-    gathered: bool = False  # raised by rank 0 while combining every rank's results (not by its own part)
+    gathered: bool = False  # raised by rank 0 in the step it does for every rank (``reduce``)
 
     @classmethod
     def of(cls, rank: int, e: BaseException) -> Failure:
@@ -198,7 +198,7 @@ def combined(failures: list[Failure], what: str, size: int) -> errors.Tensorckpt
     for f in failures:
         alike.setdefault((f.cls, f.message), []).append(f.rank)
     if failures[0].gathered:
-        msg = f"{what} failed (found by rank 0 in the results of all {size} ranks): {failures[0].cls}: {failures[0].message}"
+        msg = f"{what} failed on rank 0, which does this step for all {size} ranks: {failures[0].cls}: {failures[0].message}"
     elif len(alike) == 1:
         msg = f"{what} failed on rank{'s' if len(ranks) > 1 else ''} {ranks if len(ranks) > 1 else ranks[0]} of {size}: {failures[0].cls}: {failures[0].message}"
     else:
