@@ -14,6 +14,7 @@ import tensorckpt_zarr_dtypes as _zarr_dtypes
 
 from .adapters.pipeline import shift_layers, stage_offset
 from .adapters.registry import register as register_adapter
+from .adapters.per_rank import per_rank
 from .adapters.rng import rng_state
 from .adapters.sharded import ShardedTensor
 from .checkpoint import Checkpoint, CheckpointMetadata, TensorInfo
@@ -53,7 +54,7 @@ __all__ = [
     "TensorckptError", "CheckpointNotFoundError", "CheckpointExistsError", "IncompleteCheckpointError",
     "UnsupportedVersionError", "CorruptCheckpointError", "IncompatibleStateError",
     "UnsupportedValueError", "InvalidPathError", "InvalidIndexError",
-    "rng_state", "ResumableSampler",
+    "rng_state", "ResumableSampler", "per_rank",
     "verify", "VerifyReport", "clean", "CleanReport",
     "CheckpointManager", "StepInfo",
     "register_adapter",

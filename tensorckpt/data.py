@@ -1,7 +1,7 @@
 """A distributed sampler whose position survives a checkpoint, also under a
 different data-parallel size (spec: rng-and-data.md, "Sampler").
 
-    sampler = tensorckpt.ResumableSampler(len(dataset), seed=0)  # rank, world: torch.distributed's
+    sampler = tensorckpt.ResumableSampler(len(dataset), seed=0)  # DP rank/size: the world's, or dp_mesh=mesh["dp"]
     loader = DataLoader(dataset, batch_size=32, sampler=sampler, num_workers=4)
     for epoch in range(sampler.epoch, epochs):
         sampler.set_epoch(epoch)
@@ -85,10 +85,68 @@ def remaining(order: np.ndarray, segments) -> np.ndarray:
     return order
 
 
+def dp_rank_and_size(rank: int | None, world: int | None, dp_group=None, dp_mesh=None) -> tuple[int, int]:
+    """The data-parallel rank and size a sampler uses (see :class:`ResumableSampler`)."""
+    given = [name for name, v in (("rank/world", rank if rank is not None else world), ("dp_group", dp_group),
+                                  ("dp_mesh", dp_mesh)) if v is not None]
+    if len(given) > 1:
+        raise ValueError(f"ResumableSampler: give one of rank=/world=, dp_group=, dp_mesh=; got {' and '.join(given)}")
+    if rank is not None or world is not None:
+        if rank is None or world is None:
+            raise ValueError("ResumableSampler: rank= and world= go together (the data-parallel rank and size)")
+        return rank, world
+    if dp_mesh is not None:
+        coordinate = dp_mesh.get_coordinate()
+        if coordinate is None:
+            raise ValueError("ResumableSampler(dp_mesh=...): this process is not in the mesh")
+        r = 0
+        for c, n in zip(coordinate, dp_mesh.shape):
+            r = r * n + c
+        return r, dp_mesh.size()
+    on = dist.is_available() and dist.is_initialized()
+    if dp_group is not None:
+        if not on:
+            raise ValueError("ResumableSampler(dp_group=...): torch.distributed is not initialized")
+        return dist.get_rank(dp_group), dist.get_world_size(dp_group)
+    if not on or dist.get_world_size() == 1:
+        return (dist.get_rank() if on else 0), 1
+    world_size = dist.get_world_size()
+    smaller = sorted({len(r) for r in _group_ranks() if 1 < len(r) < world_size})
+    if smaller:
+        raise ValueError(
+            f"ResumableSampler: process groups of {smaller} ranks exist besides the world of {world_size} (a "
+            "DeviceMesh with several dimensions, or tensor/pipeline-parallel groups), so the whole world may not be "
+            "the data-parallel group: ranks of one replica would get different samples. Pass the data-parallel "
+            "group: dp_mesh=mesh['dp'] (HSDP: mesh['replicate', 'shard']), dp_group=pg, or rank=/world="
+        )
+    return dist.get_rank(), world_size
+
+
+def _group_ranks() -> list:
+    """The ranks of every process group this process belongs to."""
+    try:
+        from torch.distributed import distributed_c10d as c10d
+
+        return list(c10d._world.pg_group_ranks.values())
+    except (ImportError, AttributeError):  # pragma: no cover - a torch without this registry: no check
+        return []
+
+
 class ResumableSampler(Sampler[int]):
-    """Sample indices for rank ``rank`` of ``world`` data-parallel ranks (default:
-    torch.distributed's, else 0 of 1; with tensor or pipeline parallelism pass
-    the data-parallel rank and size). ``data`` is the dataset or its length.
+    """Sample indices for one rank of the data-parallel (DP) group. ``data`` is
+    the dataset or its length.
+
+    The DP rank and size come from, in this order: ``rank=`` and ``world=``
+    (the DP rank and size, explicitly); ``dp_mesh=`` (a DeviceMesh of the DP
+    dimensions, e.g. ``mesh["dp"]``, or ``mesh["replicate", "shard"]`` for
+    HSDP: the rank is this process's coordinate, row-major); ``dp_group=``
+    (a process group); else the whole world of torch.distributed (0 of 1
+    without it). The whole world is taken only while it is the only group:
+    once a process group smaller than the world exists (a DeviceMesh of more
+    than one dimension, tensor- or pipeline-parallel groups), the sampler
+    refuses to guess, since ranks of one DP replica (TP peers) would get
+    different samples; pass the DP group or mesh dimension then. Ranks with
+    the same DP rank get the same samples.
 
     Use as ``DataLoader(..., sampler=sampler)``; iterate with
     ``sampler.track(loader)`` (or call :meth:`advance` per batch) so that the
@@ -112,12 +170,11 @@ class ResumableSampler(Sampler[int]):
         drop_last: bool = False,
         rank: int | None = None,
         world: int | None = None,
+        dp_group=None,
+        dp_mesh=None,
     ) -> None:
         self.num_samples = data if isinstance(data, int) else len(data)
-        if rank is None or world is None:
-            on = dist.is_available() and dist.is_initialized()
-            rank = (dist.get_rank() if on else 0) if rank is None else rank
-            world = (dist.get_world_size() if on else 1) if world is None else world
+        rank, world = dp_rank_and_size(rank, world, dp_group, dp_mesh)
         if not 0 <= rank < world:
             raise ValueError(f"ResumableSampler: rank {rank} is not in [0, world={world})")
         if not 0 <= seed < 2**64:

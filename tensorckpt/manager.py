@@ -52,7 +52,7 @@ from .clean import DEFAULT_OLDER_THAN, _age, _has_root, _too_young
 from .clean import clean as _clean_leftovers
 from .engine.async_save import SaveHandle
 from .engine.async_save import async_save as _async_save
-from .engine.group import Group, capture, reraise
+from .engine.group import Group
 from .engine.load import load as _load
 from .engine.save import save as _save
 from .errors import CheckpointExistsError, TensorckptError
@@ -238,10 +238,7 @@ class CheckpointManager:
     def _agree_on_step(self, step: int, overwrite: bool) -> None:
         """Rank 0 checks that ``step`` is not older than the newest committed
         (or started) step; every rank raises the same error if it is."""
-        err = None
-        if self._g.rank == 0:
-            _, err = capture(self._check_new_step, step, overwrite)
-        reraise(self._g.broadcast(err))
+        self._g.collective(None, lambda _: self._check_new_step(step, overwrite), what=f"save of step {step} in {self.path}")
         self._newest_started = max(step, self._newest_started if self._newest_started is not None else step)
 
     def _check_new_step(self, step: int, overwrite: bool) -> None:
@@ -276,12 +273,7 @@ class CheckpointManager:
     def latest(self) -> int | None:
         """The newest committed step, or None (a collective in a distributed job:
         rank 0 looks, every rank gets its answer)."""
-        if not self._g.distributed:
-            return self._latest_local()
-        found = capture(self._latest_local) if self._g.rank == 0 else None
-        step, err = self._g.broadcast(found)
-        reraise(err)
-        return step
+        return self._g.collective(None, lambda _: self._latest_local(), what=f"latest() in {self.path}")
 
     def _latest_local(self) -> int | None:
         committed = [s for s, e in self._scan().items() if e.committed]
@@ -303,36 +295,32 @@ class CheckpointManager:
 
     list = steps
 
-    def restore(self, state: MutableMapping, step: int | None = None, *, strict: bool = True, stats=None) -> int | None:
+    def restore(self, state: MutableMapping, step: int | None = None, *, strict: bool = True, partial: bool = False,
+                cast: bool = False, stats=None) -> int | None:
         """Load ``step`` (default: the newest committed one) into ``state`` in
-        place, like :func:`tensorckpt.load`, and return the step loaded; None
-        (state untouched) when ``step`` is None and nothing is committed. If
-        the newest step is retired by another process while it is being read,
-        the load is retried with the then newest one."""
+        place, like :func:`tensorckpt.load` (``strict``, ``partial``, ``cast``
+        as there), and return the step loaded; None (state untouched) when
+        ``step`` is None and nothing is committed. If the newest step is
+        retired by another process while it is being read, the load is
+        retried with the then newest one. A failure on any rank raises on
+        every rank (load is collective about its errors)."""
         g = self._g
-        last: BaseException | None = None
-        for _ in range(RESTORE_ATTEMPTS):
+        for attempt in range(RESTORE_ATTEMPTS):
             s = self.latest() if step is None else _check_step(step)
             if s is None:
                 return None
-            err = None
             try:
-                _load(state, self.step_path(s), process_group=self.process_group, strict=strict, stats=stats)
-            except Exception as e:  # noqa: BLE001 - every rank learns of it before anyone raises
-                err = e
-            errors = g.all_gather((type(err).__name__, str(err)) if err is not None else None)
-            failed = next(((r, e) for r, e in enumerate(errors) if e is not None), None)
-            if failed is None:
+                _load(state, self.step_path(s), process_group=self.process_group, strict=strict, partial=partial,
+                      cast=cast, stats=stats)
                 return s
-            last = err if err is not None else TensorckptError(f"restoring step {s} failed on rank {failed[0]}: {failed[1][1]}")
-            if step is not None:
-                break
-            gone = None
-            if g.rank == 0:
-                gone = not self._scan().get(s, _Entry()).committed
-            if not g.broadcast(gone):
-                break  # still committed: a real problem with the step, not a race with retention
-        raise last
+            except Exception:  # noqa: BLE001 - raised on every rank alike (load's errors are collective)
+                if step is not None or attempt == RESTORE_ATTEMPTS - 1:
+                    raise
+                gone = g.collective(None, lambda _, s=s: not self._scan().get(s, _Entry()).committed,
+                                    what=f"restore in {self.path}")
+                if not gone:
+                    raise  # still committed: a real problem with the step, not a race with retention
+        raise TensorckptError(f"{self.path}: restore gave up after {RESTORE_ATTEMPTS} attempts")  # pragma: no cover
 
     # ------------------------------------------------------------ retention
 

@@ -34,6 +34,8 @@ class Context:
     state: Mapping
     rank: int = 0
     world: int = 1
+    strict: bool = True  # load(strict=...): name mismatches are errors
+    partial: bool = False  # load(partial=...): the checkpoint may hold more than the state names
 
 
 @dataclass(frozen=True)

@@ -10,8 +10,6 @@ from __future__ import annotations
 from collections.abc import Mapping, MutableMapping
 from dataclasses import dataclass
 
-import torch
-
 from ..errors import UnsupportedValueError
 from ..format.keys import flat_key
 from ..format.metadata import check_value
@@ -50,12 +48,33 @@ def _walk(node: Mapping, prefix: tuple[str, ...], out: dict[str, Leaf], check: b
         elif is_tensor_leaf(value):
             out[key] = Leaf(path, value)
         else:
-            if check and isinstance(value, (list, tuple)) and any(isinstance(v, torch.Tensor) for v in value):
-                raise UnsupportedValueError(
-                    f"{key!r}: a {type(value).__name__} of tensors; use a dict instead, e.g. "
-                    "{'0': t0, '1': t1}"
-                )
+            if check and isinstance(value, (list, tuple, Mapping)):
+                _refuse_nested(value, key, key)
             out[key] = Leaf(path, check_value(dict(value) if isinstance(value, Mapping) else value, key) if check else value)
+
+
+def _refuse_nested(value: object, key: str, where: str) -> None:
+    """Refuse tensors and bytes inside a value (lists and dicts of data, at
+    any depth), saying where: ``key[1][0]``, ``key.name``."""
+    if isinstance(value, Mapping):
+        items = ((f"{where}.{k}", v) for k, v in value.items())
+    elif isinstance(value, (list, tuple)):
+        items = ((f"{where}[{i}]", v) for i, v in enumerate(value))
+    else:
+        return
+    for at, v in items:
+        if is_tensor_leaf(v):
+            raise UnsupportedValueError(
+                f"{key!r}: a tensor at {at} (inside a {type(value).__name__}); tensors go in dicts, not lists: "
+                "use a dict instead, e.g. {'0': t0, '1': t1}"
+            )
+        if isinstance(v, (bytes, bytearray, memoryview)):
+            raise UnsupportedValueError(
+                f"{key!r}: {type(v).__name__} at {at} (inside a {type(value).__name__}); values are JSON, which has no "
+                "bytes: store them as a uint8 tensor under a dict key, e.g. "
+                "torch.frombuffer(bytearray(data), dtype=torch.uint8)"
+            )
+        _refuse_nested(v, key, at)
 
 
 def set_leaf(state: MutableMapping, path: tuple[str, ...], value: object) -> None:

@@ -34,6 +34,7 @@ from ..adapters.state import flatten, unflatten
 from ..errors import TensorckptError
 from ..storage import location
 from .group import Group
+from .replicas import is_plain
 from .save import SaveStats, check_options, check_tensor, run
 
 ON_BUSY = ("wait", "raise")
@@ -163,7 +164,7 @@ def async_save(
     except Exception as e:
         if not g.distributed:
             raise
-        failed, error = (type(e).__name__, str(e)), e  # the others learn it through the save's first gather
+        failed = e  # the others learn it through the save's first collective
     stats.seconds["stage"] = time.perf_counter() - t0
     handle = SaveHandle(str(loc), stats, on_durable)
     _IN_FLIGHT[slot] = handle
@@ -179,20 +180,25 @@ def async_save(
 
     threading.Thread(target=work, name=f"tensorckpt-async-save {loc}", daemon=True).start()
     stats.stall_seconds = time.perf_counter() - t_call
-    if failed is not None:
+    if failed is not None:  # raise what every other rank's handle raises: the error naming every failing rank
         handle._observed = True
-        raise error
+        handle._done.wait()
+        if handle._error is not None:
+            raise handle._error from failed
+        raise failed
     return handle
 
 
 def _stage(state: Mapping, pool: dict[str, torch.Tensor], stats: SaveStats) -> dict:
     """A copy of ``state`` whose tensors live in the pool's host buffers, as
-    ShardedTensors that keep each leaf's global shape and box."""
+    ShardedTensors that keep each leaf's global shape and box (plain tensors
+    stay plain tensors: the save digests them as replicas)."""
     leaves, used, cuda = {}, set(), False
     for key, leaf in flatten(state).items():
         if not leaf.is_tensor:
             leaves[leaf.path] = leaf.value  # flatten validated it and made a copy
             continue
+        plain = is_plain(leaf.value)  # stays plain: the save checks that its replicas agree
         t, shape, box = local_part(key, leaf.value)
         check_tensor(key, t)
         t = t.detach()
@@ -205,7 +211,7 @@ def _stage(state: Mapping, pool: dict[str, torch.Tensor], stats: SaveStats) -> d
         cuda = cuda or t.is_cuda
         used.add(key)
         stats.bytes_staged += buf.numel() * buf.element_size()
-        leaves[leaf.path] = ShardedTensor(buf, shape, box.offset if box.numel else (0,) * len(shape))
+        leaves[leaf.path] = buf if plain else ShardedTensor(buf, shape, box.offset if box.numel else (0,) * len(shape))
     for key in set(pool) - used:  # tensors gone from the state: free their buffers
         del pool[key]
     if cuda:

@@ -1,10 +1,20 @@
 """The few collectives a save or load needs, over a torch.distributed process
-group, or trivially in a single process. Errors are collective too: when any
-rank fails a step, every rank raises the same error instead of hanging."""
+group, or trivially in a single process.
+
+Errors are collective too: every step that may fail on some ranks runs
+through :meth:`Group.collective` (the shape of DCP's ``_DistWrapper.all_reduce``):
+each rank runs a local function, the results or failures are gathered, and
+when any rank failed, every rank raises one :class:`~tensorckpt.errors.TensorckptError`
+naming every failing rank, its exception type and message. The first failure's
+class is kept, so ``except CorruptCheckpointError`` works on every rank.
+Failures cross ranks as :class:`Failure` (rank, class name, message), nothing else.
+"""
 
 from __future__ import annotations
 
 import builtins
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -78,22 +88,126 @@ class Group:
         dist.all_gather_object(out, obj, group=self.pg)
         return out
 
+    def collective(
+        self,
+        local: Callable[[], Any] | None,
+        reduce: Callable[[list], Any] | None = None,
+        *,
+        what: str,
+        on_failure: Callable[[], None] | None = None,
+    ) -> Any:
+        """Run ``local()`` on every rank; return every rank's result (a list
+        by rank, on every rank), or, with ``reduce``, ``reduce(results)``
+        computed on rank 0 and broadcast. ``local=None``: rank 0 alone runs
+        ``reduce([])`` (one broadcast, no gather).
 
-def capture(fn, *args):
-    """Run ``fn``; return (result, None) or (None, error) for shipping to peers."""
+        If ``local`` fails on any rank, or ``reduce`` fails, ``on_failure()``
+        runs on every rank and then every rank raises the same error (see
+        :func:`combined`); ``what`` names the step in its message ("save",
+        "load"). In a single process the original exception is raised as it
+        is. One collective (all-gather), or two (gather + broadcast) with
+        ``reduce``."""
+        if not self.distributed:
+            try:
+                results = [local()] if local is not None else []
+                return results if reduce is None else reduce(results)
+            except BaseException:
+                if on_failure is not None:
+                    on_failure()
+                raise
+        mine, exc = _attempt(local) if local is not None else (None, None)
+        mine_failure = None if exc is None else Failure.of(self.rank, exc)
+        if reduce is None:
+            everyone = self.all_gather((mine, mine_failure))
+            failures = [f for _, f in everyone if f is not None]
+            out = [r for r, _ in everyone]
+        else:
+            gathered = self.gather((mine, mine_failure)) if local is not None else None
+            decision = None
+            if self.rank == 0:
+                failures = [f for _, f in gathered if f is not None] if gathered is not None else []
+                result = None
+                if not failures:
+                    result, e = _attempt(reduce, [r for r, _ in gathered] if gathered is not None else [])
+                    if e is not None:
+                        exc = exc or e
+                        failures = [Failure.of(0, e)._replace(gathered=True)]
+                decision = (result, failures)
+            out, failures = self.broadcast(decision)
+        if failures:
+            if on_failure is not None:
+                on_failure()
+            raise combined(failures, what, self.size) from exc
+        return out
+
+
+class Failure(NamedTuple):
+    """A failure of one rank, as it crosses ranks: the rank (in the group),
+    the exception's class name (as in :mod:`tensorckpt.errors` or builtins)
+    and its message."""
+
+    rank: int
+    cls: str
+    message: str
+    gathered: bool = False  # raised by rank 0 in the step it does for every rank (``reduce``)
+
+    @classmethod
+    def of(cls, rank: int, e: BaseException) -> Failure:
+        failures = getattr(e, "failures", None)
+        if isinstance(e, errors.TensorckptError) and failures:  # already collective: keep the first one's class
+            return cls(rank, failures[0].cls, str(e))
+        return cls(rank, type(e).__name__, str(e))
+
+
+def _attempt(fn: Callable, *args) -> tuple[Any, BaseException | None]:
     try:
         return fn(*args), None
-    except Exception as e:  # shipped to every rank, re-raised there by class name
-        return None, (type(e).__name__, str(e))
+    except Exception as e:  # noqa: BLE001 - shipped to every rank as a Failure
+        return None, e
 
 
-def reraise(err: tuple[str, str] | None, rank: int | None = None) -> None:
-    """Raise a shipped error on this rank, as the same tensorckpt class where possible."""
-    if err is None:
-        return
-    name, msg = err
-    cls = getattr(errors, name, None) or getattr(builtins, name, None)
-    if not (isinstance(cls, type) and issubclass(cls, Exception)):
-        cls, msg = errors.TensorckptError, f"{name}: {msg}"
-    prefix = f"(on rank {rank}) " if rank is not None else ""
-    raise cls(prefix + msg)
+_REMOTE: dict[str, type] = {}
+
+
+def _error_class(name: str) -> type:
+    """The class every rank raises for a failure of class ``name``: the
+    tensorckpt class of that name; for a builtin one (``OSError``), a
+    TensorckptError that is also that builtin; else TensorckptError."""
+    cls = getattr(errors, name, None)
+    if isinstance(cls, type) and issubclass(cls, errors.TensorckptError):
+        return cls
+    base = getattr(builtins, name, None)
+    if not (isinstance(base, type) and issubclass(base, Exception)) or base in (Exception, BaseException):
+        return errors.TensorckptError
+    if name not in _REMOTE:
+        try:
+            made = type(name, (errors.TensorckptError, base), {"__module__": "tensorckpt.errors"})
+            made("probe")
+        except TypeError:  # a builtin with an unusual layout or constructor
+            made = errors.TensorckptError
+        _REMOTE[name] = made
+    return _REMOTE[name]
+
+
+def combined(failures: list[Failure], what: str, size: int) -> errors.TensorckptError:
+    """One error naming every failing rank, of the first failure's class
+    (see :func:`_error_class`); its ``failures`` attribute lists them."""
+    failures = sorted(failures, key=lambda f: f.rank)
+    ranks = [f.rank for f in failures]
+    alike: dict[tuple[str, str], list[int]] = {}  # ranks failing the same way are named together
+    for f in failures:
+        alike.setdefault((f.cls, f.message), []).append(f.rank)
+    if failures[0].gathered:
+        msg = f"{what} failed on rank 0, which does this step for all {size} ranks: {failures[0].cls}: {failures[0].message}"
+    elif len(alike) == 1:
+        msg = f"{what} failed on rank{'s' if len(ranks) > 1 else ''} {ranks if len(ranks) > 1 else ranks[0]} of {size}: {failures[0].cls}: {failures[0].message}"
+    else:
+        msg = f"{what} failed on ranks {ranks} of {size}:" + "".join(
+            f"\n  rank{'s' if len(rs) > 1 else ''} {rs if len(rs) > 1 else rs[0]}: {cls}: {message}"
+            for (cls, message), rs in alike.items()
+        )
+    err = _error_class(failures[0].cls)(msg)
+    err.failures = tuple(failures)
+    return err
+
+

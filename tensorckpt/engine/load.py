@@ -5,13 +5,17 @@ into the target's memory. Only the inner chunks overlapping that box are
 fetched; no rank materializes more than its own target.
 
 Collectives: one broadcast of the root metadata from rank 0 (so thousands of
-ranks do not all read it) and one all-gather of key mismatches (so every rank
-makes the same strict decision); none for the data.
+ranks do not all read it), one all-gather of key mismatches and target
+problems (so every rank makes the same strict decision, and a bad target on
+one rank fails every rank before anyone reads), and one all-gather of the
+outcome of the reads (a corrupt chunk read by one rank fails every rank);
+none for the data itself.
 """
 
 from __future__ import annotations
 
 import collections
+import itertools
 import time
 import warnings
 from collections.abc import MutableMapping
@@ -29,10 +33,10 @@ from ..errors import IncompatibleStateError, TensorckptError
 from ..format import dtypes
 from ..layout.boxes import Box, bytes_fetched
 from ..storage import direct, location
-from .group import Group, capture, reraise
-
+from .group import Group
 
 IN_FLIGHT_BYTES = 128 << 20  # reads issued ahead of the oldest unfinished one
+SLAB_BYTES = 32 << 20  # the largest buffer one read fills (targets it cannot fill directly, casts)
 
 
 @dataclass
@@ -57,51 +61,92 @@ class LoadStats:
 
 
 def load(
-    state: MutableMapping, path, *, process_group=None, strict: bool = True, stats: LoadStats | None = None
+    state: MutableMapping,
+    path,
+    *,
+    process_group=None,
+    strict: bool = True,
+    partial: bool = False,
+    cast: bool = False,
+    stats: LoadStats | None = None,
 ) -> MutableMapping:
     """Fill ``state`` in place from the checkpoint at ``path`` and return it.
 
     Each tensor leaf receives the stored data of its key: a plain tensor the
     whole tensor, a DTensor its local shard under its own placements, a
     :class:`~tensorckpt.ShardedTensor` its box, whatever layout wrote the
-    checkpoint. Global shape and dtype must match. Every other leaf is
-    replaced by the stored value. With ``strict``, a key present on one side
-    only is an :class:`IncompatibleStateError`; otherwise it is reported (a
-    warning) and skipped. Pass a :class:`LoadStats` as ``stats`` to learn the
+    checkpoint. Global shapes must match. Every other leaf is replaced by the
+    stored value.
+
+    ``strict`` (default): a key present on one side only is an
+    :class:`IncompatibleStateError`; with ``strict=False`` it is reported (a
+    warning) and skipped. ``partial=True``: the checkpoint may hold more than
+    the state names; its entries the state does not name are ignored without
+    a warning (keys the state names but the checkpoint lacks still fail when
+    ``strict``). Dtypes must match, unless ``cast=True``: then each stored
+    dtype is converted to the target's (float32 -> bfloat16, bfloat16 ->
+    float32, int32 -> int64, ...; a conversion across kinds, such as float to
+    int or complex to real, is refused), through bounded buffers of the
+    stored dtype.
+
+    A collective when distributed: a failure on any rank (a bad target
+    shape, a corrupt chunk) raises on every rank the same error, naming
+    every failing rank. Pass a :class:`LoadStats` as ``stats`` to learn the
     bytes read versus needed on this rank.
     """
     t0 = time.perf_counter()
     g = Group(process_group)
     loc = location.parse(path)
+    what = f"load from {loc}"
     if g.distributed and not loc.is_local:
         raise TensorckptError(f"{loc}: memory:// stores are per process; a distributed load needs a shared file path")
-    raw, err = capture(read_root_bytes, loc) if g.rank == 0 else (None, None)
-    raw, err = g.broadcast((raw, err))
-    reraise(err)
-    ckpt = Checkpoint(loc, _root=parse_root_bytes(loc, raw))
+    raw = g.collective(None, lambda _: read_root_bytes(loc), what=what)
+    ckpt = Checkpoint(loc, _root=parse_root_bytes(loc, raw))  # the same bytes on every rank: the same outcome
     index = ckpt.index
-    user_state = state  # objects in it (modules, optimizers, ...) are loaded through plain targets
-    prepared, err = capture(registry.for_load, state, index, registry.Context(state, g.rank, g.size))
-    state, finish = prepared if err is None else ({}, None)
-    targets, err = capture(flatten, state, False) if err is None else (None, err)
-    stored = set(index.tensors) | set(index.values)
-    missing = sorted(set(targets or ()) - stored)
-    unexpected = sorted(stored - set(targets or ()))
-    if g.distributed:  # a key is unexpected only if no rank wants it (pipeline stages hold disjoint keys)
-        everyone = g.all_gather((missing, unexpected, err))
-        for rank, (_, _, e) in enumerate(everyone):
-            reraise(e, rank)
-        missing = sorted(set().union(*(m for m, _, _ in everyone)))
-        unexpected = sorted(set.intersection(*(set(u) for _, u, _ in everyone)))
-    reraise(err)
+    ctx = registry.Context(state, g.rank, g.size, strict=strict, partial=partial)
+    prepared: dict = {}
+
+    def prepare() -> tuple[list[str], list[str]]:
+        plain, finish = registry.for_load(state, index, ctx)  # objects (modules, ...) load through plain targets
+        targets = flatten(plain, False)
+        stored = set(index.tensors) | set(index.values)
+        prepared.update(plain=plain, finish=finish, targets=targets, reads=_targets(ckpt, targets, cast))
+        return sorted(set(targets) - stored), sorted(stored - set(targets))
+
+    everyone = g.collective(prepare, what=what)
+    # a key is unexpected only if no rank wants it (pipeline stages hold disjoint keys)
+    missing = sorted(set().union(*(set(m) for m, _ in everyone)))
+    unexpected = [] if partial else sorted(set.intersection(*(set(u) for _, u in everyone)))
     if missing or unexpected:
         msg = f"{ckpt.path}: state and checkpoint differ: " + "; ".join(
             f"{name}: {_list(keys)}" for name, keys in (("missing in checkpoint", missing), ("not in state", unexpected)) if keys
         )
         if strict:
-            raise IncompatibleStateError(msg + ". Pass strict=False to load the keys both have")
+            hint = "Pass strict=False to load the keys both have" + (
+                "" if missing else ", or partial=True to load a part of the checkpoint"
+            )
+            raise IncompatibleStateError(f"{msg}. {hint}")
         warnings.warn(msg + " (skipped, strict=False)", stacklevel=2)
 
+    stats = stats if stats is not None else LoadStats()
+    stats.seconds["plan"] = time.perf_counter() - t0
+
+    def read() -> None:
+        _read_into(ckpt, prepared["reads"], stats)
+        plain = prepared["plain"]
+        for key, leaf in prepared["targets"].items():
+            if key in index.values:
+                set_leaf(plain, leaf.path, index.values[key])
+        prepared["finish"](plain)
+
+    g.collective(read, what=what)
+    return state
+
+
+def _targets(ckpt: Checkpoint, targets: dict, cast: bool) -> dict[str, tuple[torch.Tensor, Box]]:
+    """The tensor reads of this rank: key -> (target's local tensor, its box);
+    refuses a leaf of the wrong kind, shape or (without ``cast``) dtype."""
+    index = ckpt.index
     reads: dict[str, tuple[torch.Tensor, Box]] = {}
     for key, leaf in targets.items():
         if key in index.values:
@@ -117,29 +162,54 @@ def load(
             )
         e = index.tensors[key]
         t, shape, box = local_part(key, leaf.value)
-        if shape != e.shape or dtypes.torch_name(t.dtype) != e.dtype:
+        name = dtypes.torch_name(t.dtype)
+        if shape != e.shape or (name != e.dtype and not cast):
             raise IncompatibleStateError(
                 f"{ckpt.path}: tensor {key!r} is stored as {list(e.shape)} {e.dtype} but the state "
-                f"wants {list(shape)} {dtypes.torch_name(t.dtype)}"
+                f"wants {list(shape)} {name}"
+                + ("" if shape != e.shape else f"; pass cast=True to convert {e.dtype} to {name} on load")
             )
+        if name != e.dtype:
+            dtypes.for_torch(t.dtype, key)
+            stored = dtypes.torch_dtype(dtypes.BY_TORCH[e.dtype])
+            if not torch.can_cast(stored, t.dtype):
+                raise IncompatibleStateError(
+                    f"{ckpt.path}: tensor {key!r} is stored as {e.dtype}; cast=True converts within a kind or "
+                    f"to a wider one, not {e.dtype} to {name}: load it into a {e.dtype} tensor and convert it yourself"
+                )
         reads[key] = (t, box)
-    stats = stats if stats is not None else LoadStats()
-    stats.seconds["plan"] = time.perf_counter() - t0
-    _read_into(ckpt, reads, stats)
-    for key, leaf in targets.items():
-        if key in index.values:
-            set_leaf(state, leaf.path, index.values[key])
-    finish(state)
-    return user_state
+    return reads
+
+
+def _slabs(e, box: Box, itemsize: int) -> list[tuple[slice, Box]]:
+    """``box`` cut along its first dimension into parts of at most
+    ``SLAB_BYTES`` (one row at least), cut at multiples of the inner chunks'
+    first dimension, so no stored inner chunk is decoded twice more than it
+    must: (rows of the box, the part's box)."""
+    if not box.shape or box.numel * itemsize <= SLAB_BYTES:
+        return [(slice(None), box)]
+    row = box.numel // box.shape[0] * itemsize
+    step = max(1, SLAB_BYTES // max(row, 1))
+    inner = e.inner_chunk_shape[0]
+    if step >= inner:
+        step -= step % inner
+    start, end = box.offset[0], box.end[0]
+    cuts = [start, *range(-(-(start + 1) // step) * step, end, step), end]
+    out = []
+    for a, b in itertools.pairwise(cuts):
+        if b > a:
+            out.append((slice(a - start, b - start), Box((a, *box.offset[1:]), (b - a, *box.shape[1:]))))
+    return out
 
 
 def _read_into(ckpt: Checkpoint, targets: dict[str, tuple[torch.Tensor, Box]], stats: LoadStats) -> None:
     """Read every target box, straight into the target's memory when it is a
-    CPU tensor numpy can view, else into a buffer that is copied over as soon
-    as its read is done. Reads are issued ahead up to ``IN_FLIGHT_BYTES`` of
-    such buffers, so memory stays bounded whatever the state's size. A local
-    checkpoint is read by :mod:`tensorckpt.storage.direct` (same bytes and
-    checks, less CPU), any other through TensorStore."""
+    CPU tensor numpy can view and has the stored dtype, else into buffers of
+    the stored dtype (at most ``SLAB_BYTES`` each) that are copied over, with
+    conversion, as soon as their read is done. Reads are issued ahead up to
+    ``IN_FLIGHT_BYTES`` of such buffers, so memory stays bounded whatever the
+    state's size. A local checkpoint is read by :mod:`tensorckpt.storage.direct`
+    (same bytes and checks, less CPU), any other through TensorStore."""
     t0 = time.perf_counter()
     ckpt.check_arrays(list(targets))
     fast = direct.available(ckpt.location.is_local)
@@ -151,20 +221,21 @@ def _read_into(ckpt: Checkpoint, targets: dict[str, tuple[torch.Tensor, Box]], s
 
     def finish_oldest() -> None:
         nonlocal in_flight, copy_seconds
-        key, futures, nbytes, t, buf = pending.popleft()
+        key, futures, nbytes, t, buf, stored = pending.popleft()
         for fut in futures:
             fut.result() if key not in srcs else wait(ckpt.path, key, fut)
         in_flight -= nbytes
         if buf is not None:
             c = time.perf_counter()
             with torch.no_grad():
-                t.copy_(dtypes.from_numpy(buf, dtypes.for_torch(t.dtype)))
+                t.copy_(dtypes.from_numpy(buf, stored))  # converts the dtype when cast
             copy_seconds += time.perf_counter() - c
 
     try:
         for key, (t, box) in targets.items():
             e = ckpt.index.tensors[key]
-            itemsize = dtypes.BY_TORCH[e.dtype].itemsize
+            stored = dtypes.BY_TORCH[e.dtype]
+            itemsize = stored.itemsize
             need, got = box.numel * itemsize, bytes_fetched(e.shape, e.inner_chunk_shape, box, itemsize)
             stats.bytes_needed += need
             stats.bytes_read += got
@@ -173,21 +244,30 @@ def _read_into(ckpt: Checkpoint, targets: dict[str, tuple[torch.Tensor, Box]], s
             if box.numel == 0:
                 continue
             ckpt.check_objects(key, box)
-            buf = None
-            if t.device.type == "cpu" and not t.requires_grad and not t.is_conj() and not t.is_neg():
-                dst = dtypes.to_numpy(t)
-            else:
-                dst = buf = np.empty(tuple(t.shape), dtype=dtypes.for_torch(t.dtype).numpy)
-            held = got if (buf is not None or key in srcs) else 0  # TensorStore holds what it decodes
-            while pending and in_flight + held > IN_FLIGHT_BYTES:
-                finish_oldest()
-            if key in srcs:
-                src = srcs[key][box.slices()] if box.shape else srcs[key]
-                futures = [ts.array(dst, copy=False, write=True).write(src)]
-            else:
-                futures = pool.read(key, e, box, dst)
-            pending.append((key, futures, held, t, buf))
-            in_flight += held
+            into = (
+                t.device.type == "cpu" and not t.requires_grad and not t.is_conj() and not t.is_neg()
+                and dtypes.torch_name(t.dtype) == e.dtype
+            )
+            parts = [(slice(None), box)] if into else _slabs(e, box, itemsize)
+            for rows, part in parts:
+                sub = t if part is box else t[rows]
+                buf = None
+                if into:
+                    dst = dtypes.to_numpy(t)
+                else:
+                    dst = buf = np.empty(part.shape, dtype=stored.numpy)
+                held = bytes_fetched(e.shape, e.inner_chunk_shape, part, itemsize) if (buf is not None or key in srcs) else 0
+                if buf is not None:
+                    held += part.numel * itemsize  # TensorStore holds what it decodes; the buffer too
+                while pending and in_flight + held > IN_FLIGHT_BYTES:
+                    finish_oldest()
+                if key in srcs:
+                    src = srcs[key][part.slices()] if part.shape else srcs[key]
+                    futures = [ts.array(dst, copy=False, write=True).write(src)]
+                else:
+                    futures = pool.read(key, e, part, dst)
+                pending.append((key, futures, held, sub, buf, stored))
+                in_flight += held
         while pending:
             finish_oldest()
     finally:

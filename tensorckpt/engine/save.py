@@ -1,8 +1,10 @@
 """Save: a collective over the process group (trivial in one process).
 
-    every rank   flatten its state -> local plan (what it holds of each tensor)
-    gather       local plans -> rank 0                            (collective 1)
-    rank 0       global plan (chunk grids, one writer per stored object),
+    every rank   flatten its state -> local plan (what it holds of each tensor),
+                 a CRC-32C of each plain (replicated) tensor
+    gather       local plans and digests -> rank 0                (collective 1)
+    rank 0       replicas and values agree across ranks (engine/replicas.py),
+                 global plan (chunk grids, one writer per stored object),
                  commit.begin (exists? where to write)
     broadcast    plan + commit decision, or an error              (collective 2)
     all-to-all   parts of boxes that chunks of other ranks need   (only if the
@@ -13,7 +15,9 @@
     rank 0       commit (root zarr.json last), or abort
     broadcast    outcome                                          (collective 4)
 
-The number of collectives is constant (4, or 5 with an exchange), whatever
+Each step that may fail runs through ``Group.collective``: a failure on any
+rank is raised on every rank, naming every failing rank. The number of
+collectives is constant (4, or 5 with an exchange), whatever
 the number of tensors. A save whose tensor layout (keys, shapes, dtypes,
 boxes) is the same on every rank as in the previous successful save over the
 same group reuses that save's plan: ranks send only their values, and rank 0
@@ -27,6 +31,7 @@ import os
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 import torch
 
@@ -41,7 +46,8 @@ from ..layout import grid
 from ..layout.boxes import Box, chunk_box, read_plan
 from ..layout.plan import LocalItem, LocalPlan, SavePlan, build_save_plan, merge_values, plan_bytes
 from ..storage import arrays, commit, direct, kv, location
-from .group import Group, capture, reraise
+from .group import Group, _attempt
+from .replicas import check_not_flat, check_replicas, digests_of
 
 _GROUP_JSON = dumps({"zarr_format": 3, "node_type": "group", "attributes": {}})
 OPTIONS = ("metadata", "shard_bytes", "inner_chunk_bytes")
@@ -116,57 +122,67 @@ def save(
 
 
 def run(state: Mapping, loc: location.Location, g: Group, overwrite: bool, options: Mapping, stats: SaveStats,
-        failed: tuple[str, str] | None = None) -> None:
+        failed: BaseException | None = None) -> None:
     """The save protocol (module docstring) over ``g``. ``failed``: this rank
     already failed (an async save's staging); it still takes part, so every
-    rank raises the error instead of waiting for it."""
+    rank raises the error instead of waiting for it. Any rank's failure is
+    raised on every rank, naming every failing rank (:meth:`Group.collective`)."""
     t0 = time.perf_counter()
     cache_key = (id(g.pg), g.size, options.get("shard_bytes"), options.get("inner_chunk_bytes"))
-    local, err = capture(_local_plan, state, g, loc, options) if failed is None else (None, failed)
-    layout = local.items if local is not None else None
-    same = layout is not None and _LAST_LAYOUT.get(cache_key) == layout
-    sent = replace(local, items=()) if same else local  # a cache hit sends only its values
-    gathered = g.gather((sent, same, err))
-    decision = None
-    if g.rank == 0:
-        decision = capture(_decide, gathered, loc, overwrite, options, g.size, cache_key)
-    (decided, err) = g.broadcast(decision)
-    if err is not None:
-        _forget(cache_key)
-    reraise(err)
-    plan, c, meta, hit = decided
+    layout: Any = None  # this rank's items, kept for the plan cache
+
+    def local_plan():
+        nonlocal layout
+        if failed is not None:
+            raise failed
+        local, digests = _local_plan(state, g, loc, options)
+        layout = local.items
+        same = _LAST_LAYOUT.get(cache_key) == layout
+        return replace(local, items=()) if same else local, same, digests  # a cache hit sends only its values
+
+    plan, c, meta, hit = g.collective(
+        local_plan, lambda gathered: _decide(gathered, loc, overwrite, options, g.size, cache_key),
+        what=f"save to {loc}", on_failure=lambda: _forget(cache_key),
+    )
     stats.plan_cache_hit = hit
     stats.bytes_written = plan_bytes(plan, g.rank)
     t = stats._phase("plan", t0)
 
     received, err = _exchange(state, plan, g)
     stats._phase("stage", t)
-    try:
-        if err is None:
-            _, err = capture(_write_local, state, plan, c.write_to, g.rank, stats, received)
-    except BaseException:  # KeyboardInterrupt mid-write: leave nothing behind
+    aborted = False
+
+    def abort() -> None:
+        nonlocal aborted
         _forget(cache_key)
-        commit.abort(c)
-        raise
-    t = time.perf_counter()
-    results = g.gather((err, {p: round(stats.seconds.get(p, 0.0), 6) for p in PHASES[:4]}, stats.bytes_written))
-    outcome = None
-    if g.rank == 0:
-        failed_rank = next(((r, e) for r, (e, _, _) in enumerate(results) if e is not None), None)
-        if failed_rank is not None:
+        if g.rank == 0 and not aborted:
             commit.abort(c)
-            outcome = failed_rank
-        else:
-            meta = replace(meta, save_stats=_stats_doc(results))
-            _, e = capture(commit.finish, c, root_group_json(meta))
-            if e is not None:
+        aborted = True
+
+    def write():
+        nonlocal aborted
+        if err is not None:
+            raise err
+        try:
+            _write_local(state, plan, c.write_to, g.rank, stats, received)
+        except Exception:
+            raise
+        except BaseException:  # KeyboardInterrupt mid-write: leave nothing behind
+            _forget(cache_key)
+            if not aborted:
                 commit.abort(c)
-            outcome = (0, e)
-    rank, err = g.broadcast(outcome)
-    stats._phase("commit", t)
-    if err is not None:
-        _forget(cache_key)
-    reraise(err, rank if g.distributed else None)
+            aborted = True
+            raise
+        return {p: round(stats.seconds.get(p, 0.0), 6) for p in PHASES[:4]}, stats.bytes_written
+
+    def finish(results: list) -> None:
+        commit.finish(c, root_group_json(replace(meta, save_stats=_stats_doc(results))))
+
+    t = time.perf_counter()
+    try:
+        g.collective(write, finish, what=f"save to {loc}", on_failure=abort)
+    finally:
+        stats._phase("commit", t)
     _LAST_LAYOUT[cache_key] = layout  # the plan is cached only once a save with it succeeded
     if g.rank == 0:
         _PLAN_CACHE[cache_key] = (_PENDING.pop(cache_key), plan)
@@ -175,8 +191,8 @@ def run(state: Mapping, loc: location.Location, g: Group, overwrite: bool, optio
 def _stats_doc(results: list) -> dict:
     """Every rank's phase times and bytes, as stored in the root metadata."""
     return {
-        "seconds": {p: [r[1][p] for r in results] for p in PHASES[:4]},
-        "bytes_written": [r[2] for r in results],
+        "seconds": {p: [r[0][p] for r in results] for p in PHASES[:4]},
+        "bytes_written": [r[1] for r in results],
     }
 
 
@@ -189,25 +205,29 @@ def _forget(cache_key) -> None:
 # ----------------------------------------------------------------- steps
 
 
-def _local_plan(state: Mapping, g: Group, loc: location.Location, options: Mapping) -> LocalPlan:
+def _local_plan(state: Mapping, g: Group, loc: location.Location, options: Mapping) -> tuple[LocalPlan, dict]:
+    """This rank's local plan, and the digests of its plain (replicated)
+    tensors, which rank 0 compares across ranks (none in a single process)."""
     if g.distributed and not loc.is_local:
         raise TensorckptError(f"{loc}: memory:// stores are per process; a distributed save needs a shared file path")
     items, values = [], {}
-    for key, leaf in flatten(state).items():
+    leaves = flatten(state)
+    for key, leaf in leaves.items():
         if leaf.is_tensor:
+            check_not_flat(key, leaf.value)
             t, shape, box = local_part(key, leaf.value)
             check_tensor(key, t)
             items.append(LocalItem(key, dtypes.for_torch(t.dtype, key).torch_name, shape, box))
         else:
             values[key] = leaf.value
-    return LocalPlan(g.rank, tuple(items), values)
+    return LocalPlan(g.rank, tuple(items), values), digests_of(leaves, g.rank) if g.distributed else {}
 
 
 def _decide(gathered: list, loc: location.Location, overwrite: bool, options: Mapping, world: int, cache_key):
-    """Rank 0: the global plan (cached or new), where to write, and the root metadata."""
-    for rank, (_, _, err) in enumerate(gathered):
-        if err is not None:
-            reraise(err, rank if world > 1 else None)
+    """Rank 0: the global plan (cached or new), where to write, and the root
+    metadata. Plain tensors held by several ranks must be equal (their digests),
+    and so must values: both are checked before anything is written."""
+    check_replicas([d for _, _, d in gathered])
     cached = _PLAN_CACHE.get(cache_key)
     hit = cached is not None and all(same for _, same, _ in gathered)
     if hit:
@@ -251,7 +271,7 @@ def _decide(gathered: list, loc: location.Location, overwrite: bool, options: Ma
 # torch.chunk-style splits) has no exchange at all, on every rank alike.
 
 
-def _exchange(state: Mapping, plan: SavePlan, g: Group) -> tuple[dict, tuple[str, str] | None]:
+def _exchange(state: Mapping, plan: SavePlan, g: Group) -> tuple[dict, BaseException | None]:
     """Send this rank's pieces and receive the ones it needs: key -> [(box,
     host tensor)]. A rank failing to gather its pieces still takes part
     (sending zeros), so that no peer waits for it, and returns the error."""
@@ -265,10 +285,10 @@ def _exchange(state: Mapping, plan: SavePlan, g: Group) -> tuple[dict, tuple[str
         send_sizes[p.dst] += _nbytes(plan, p)
     for p in recvs:
         recv_sizes[p.src] += _nbytes(plan, p)
-    data, err = capture(_pack, state, sends)
+    data, err = _attempt(_pack, state, sends)
     if err is not None:
         data = torch.zeros(sum(send_sizes), dtype=torch.uint8)
-    got, e = capture(g.all_to_all, data, send_sizes, recv_sizes)
+    got, e = _attempt(g.all_to_all, data, send_sizes, recv_sizes)
     if err is not None or e is not None:
         return {}, err or e
     received: dict[str, list] = {}

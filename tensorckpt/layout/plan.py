@@ -302,12 +302,39 @@ def _layouts(plans: list[LocalPlan]) -> tuple[tuple[int, ...], tuple[LocalItems,
 
 
 def merge_values(plans: list[LocalPlan]) -> dict:
-    """Non-tensor values of all ranks; for a key several ranks hold, the lowest rank's."""
+    """Non-tensor values of all ranks; a key several ranks hold is stored once,
+    so they must hold equal values: else :class:`IncompatibleStateError`
+    naming the key and the ranks that differ (a per-rank value is stored with
+    ``tensorckpt.per_rank``)."""
     values: dict = {}
+    holder: dict[str, int] = {}
+    differ: dict[str, list[int]] = {}
     for p in sorted(plans, key=lambda p: p.rank):
         for k, v in p.values.items():
-            values.setdefault(k, v)
+            if k not in holder:
+                values[k], holder[k] = v, p.rank
+            elif v != values[k]:
+                differ.setdefault(k, []).append(p.rank)
+    if differ:
+        keys = sorted(differ)
+        shown = "; ".join(
+            f"{k!r}: rank {holder[k]} has {_short(values[k])}, rank {differ[k][0]} has "
+            f"{_short(next(p.values[k] for p in plans if p.rank == differ[k][0]))}"
+            + (f" (ranks {differ[k]} differ from rank {holder[k]})" if len(differ[k]) > 1 else "")
+            for k in keys[:5]
+        )
+        raise IncompatibleStateError(
+            f"values differ across the ranks that hold them (a value is stored once): {shown}"
+            + (f" and {len(keys) - 5} more keys" if len(keys) > 5 else "")
+            + ". Nothing was written. Give every rank the same value, or wrap per-rank data in "
+            "tensorckpt.per_rank(value) (stored as one row per rank)"
+        )
     return values
+
+
+def _short(v: object, limit: int = 60) -> str:
+    r = repr(v)
+    return r if len(r) <= limit else r[: limit - 3] + "..."
 
 
 def plan_bytes(plan: SavePlan, rank: int) -> int:
