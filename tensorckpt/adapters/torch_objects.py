@@ -43,7 +43,7 @@ from ..format import dtypes
 from ..format.keys import split_flat_key
 from ..format.metadata import TensorEntry, check_value
 from .registry import Context, Stored, register
-from .sharded import is_tensor_leaf
+from .sharded import has_meta, is_tensor_leaf, materialized
 from .state import set_leaf
 
 EXTRA_STATE = "_extra_state"  # torch.nn.Module's suffix for get_extra_state() keys
@@ -65,10 +65,16 @@ class ModuleAdapter:
         return state
 
     def load_target(self, module, stored, ctx):
-        return module.state_dict()
+        return materialized(module.state_dict())  # meta tensors: new ones to read into (sharded.py)
 
     def apply(self, module, loaded, ctx):
-        module.load_state_dict(loaded)
+        module.load_state_dict(loaded, assign=_on_meta(module))
+
+
+def _on_meta(module) -> bool:
+    """A module built on the meta device gets the tensors the load allocated
+    and filled (``assign=True``); any other is filled in place."""
+    return has_meta(chain(module.parameters(), module.buffers()))
 
 
 def _check_extra_state(value, key: str, owner: str) -> None:
