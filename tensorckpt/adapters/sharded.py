@@ -189,7 +189,7 @@ def _is_strided(p) -> bool:
 
 
 def _legacy_part(key: str, value) -> tuple[torch.Tensor, tuple[int, ...], Box]:
-    shape = tuple(value.size())
+    shape = tuple(value.metadata().size)
     shards = value.local_shards()
     if len(shards) > 1:
         raise UnsupportedValueError(
@@ -198,16 +198,17 @@ def _legacy_part(key: str, value) -> tuple[torch.Tensor, tuple[int, ...], Box]:
             "or tensorckpt.ShardedTensor"
         )
     if not shards:  # more ranks than chunks: this rank holds nothing
-        return torch.empty((0,) * len(shape), dtype=value.dtype), shape, Box((0,) * len(shape), (0,) * len(shape))
+        dtype = value.metadata().tensor_properties.dtype
+        return torch.empty((0,) * len(shape), dtype=dtype), shape, Box((0,) * len(shape), (0,) * len(shape))
     local, md = shards[0].tensor, shards[0].metadata
     box = Box(tuple(int(o) for o in md.shard_offsets), tuple(int(s) for s in md.shard_sizes))
+    if 0 in box.shape:  # an empty shard (more ranks than chunks): its offset may lie past the end
+        box = Box((0,) * len(shape), box.shape)
     if tuple(local.shape) != box.shape or len(shape) != len(box.shape) or any(e > n for e, n in zip(box.end, shape)):
         raise UnsupportedValueError(
             f"{key!r}: torch ShardedTensor shard {list(local.shape)} at {list(box.offset)} does not match its "
             f"metadata {list(box.shape)} inside {list(shape)}"
         )
-    if 0 in box.shape:
-        box = Box((0,) * len(shape), box.shape)
     return _not_meta(key, local), shape, box
 
 
