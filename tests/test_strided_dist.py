@@ -15,17 +15,20 @@ that holds the wrong rows cannot pass. At world 4 the same processes:
   loaded as another legacy split and as DTensors, and a DTensor checkpoint
   loaded as a legacy ShardedTensor;
 - check the refusals: placements that are not FSDP2's (several boxes per
-  rank) and a legacy ShardedTensor with two shards on one rank.
+  rank) and a legacy ShardedTensor with two shards on one rank;
+- load the FSDP2 x TP checkpoint into FSDP2 x TP and TP models built on the
+  meta device (tests/test_meta_load.py's ``load_meta``).
 
-At world 2 the FSDP2 x TP checkpoint is loaded as FSDP2 on 2; at world 1
-(this process) into a plain module. Uneven sizes throughout (11 rows over
+At world 2 the FSDP2 x TP checkpoint is loaded as FSDP2 on 2 and as
+FSDP2 x TP 1x2, and into FSDP2 and TP models built on meta (the FSDP2 one
+then runs forward and backward); at world 1 (this process) into a plain
+module. Uneven sizes throughout (11 rows over
 TP 2 and then FSDP 2 give 3/3/3/2; 3 rows leave an empty FSDP shard).
 
-Default run: one 4-process and one 2-process spawn, about 20 s on an idle
-2-core machine. ``TENSORCKPT_FULL=1`` adds an HSDP x TP 2x1x2 layout and
-saves from TP on 4 loaded as FSDP2 x TP.
-
-Meta-device targets are in tests/test_meta_load.py.
+Default run: one 4-process and one 2-process spawn, about 45 s on a
+loaded 2-core machine. ``TENSORCKPT_FULL=1`` adds loads as HSDP x TP 2x1x2,
+FSDP2 x TP 4x1 and 2x1, a save from TP on 4 loaded as FSDP2 x TP, and meta
+HSDP x TP / FSDP2 x TP 1x2 targets.
 """
 
 from __future__ import annotations
@@ -60,6 +63,9 @@ class Net(torch.nn.Module):
         self.a = torch.nn.Linear(6, 11)
         self.b = torch.nn.Linear(11, 7)
         self.c = torch.nn.Linear(7, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.c(torch.relu(self.b(torch.relu(self.a(x)))))
 
 
 TP_PLAN = ("a", "colwise"), ("b", "rowwise"), ("c", "colwise")
@@ -171,15 +177,21 @@ def _world4(rank: int, world: int, base: str) -> dict:
         check_equal(t, "tp -> fsdp_tp")
     _legacy(rank, world, base)
     out["refusals"] = _refusals(rank, world, base)
+    from test_meta_load import load_meta
+
+    load_meta(world, f"{base}/fsdp_tp", ["fsdp_tp", "tp"] + (["hsdp_tp:1x2x2"] if FULL else []))
     return out
 
 
 def _world2(rank: int, world: int, base: str) -> None:
-    for layout in ("fsdp", "fsdp_tp:1x2", "fsdp_tp:2x1"):
+    for layout in ("fsdp", "fsdp_tp:1x2") + (("fsdp_tp:2x1",) if FULL else ()):
         t = build(layout, values=False)
         zero(t)
         tensorckpt.load({"model": t}, f"{base}/fsdp_tp")
         check_equal(t, f"fsdp_tp -> {layout} at world 2")
+    from test_meta_load import load_meta
+
+    load_meta(world, f"{base}/fsdp_tp", ["fsdp", "tp"] + (["fsdp_tp:1x2"] if FULL else []))
 
 
 def legacy_tensor(shape, dim: int, world: int, values: torch.Tensor | None):
