@@ -312,16 +312,16 @@ def _chunk(t: torch.Tensor, n: int, r: int) -> torch.Tensor:
     return pieces[r] if r < len(pieces) else t[:0]
 
 
-def test_strided_box_is_fsdp2s_nested_chunking():
+def test_mesh_box_is_fsdp2s_nested_chunking():
     """TP chunks first, FSDP chunks the TP-local tensor (what fully_shard
     stores), for 2-D and 3-D meshes, even and uneven, empty shards included."""
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.placement_types import _StridedShard
 
-    from tensorckpt.adapters.sharded import strided_box
+    from tensorckpt.adapters.sharded import mesh_box
 
     cases = 0
-    for dp, tp, n in itertools.product(range(2, 6), range(2, 5), range(0, 27)):
+    for dp, tp, n in itertools.product(range(2, 6), range(2, 5), range(27)):
         rows = torch.arange(n)
         for i, j in itertools.product(range(dp), range(tp)):
             want = _chunk(_chunk(rows, tp, j), dp, i)
@@ -329,49 +329,76 @@ def test_strided_box_is_fsdp2s_nested_chunking():
                 ((dp, tp), (i, j), (_StridedShard(0, split_factor=tp), Shard(0))),
                 ((2, dp, tp), (1, i, j), (Replicate(), _StridedShard(0, split_factor=tp), Shard(0))),
             ):
-                box = strided_box("k", (n, 3), mesh, coord, pl)
+                box = mesh_box("k", (n, 3), mesh, coord, pl)
                 got = rows[box.offset[0] : box.offset[0] + box.shape[0]]
                 assert torch.equal(got, want), (dp, tp, n, i, j, box)
                 assert box.shape[1] == 3 and box.offset[1] == 0
                 cases += 1
     # EP x TP under FSDP: (_StridedShard(0, sf=ep*tp), Shard(0), Shard(0)) and another dim sharded too
-    for n, (a, b, c) in itertools.product(range(0, 20), [(2, 2, 2), (3, 2, 2)]):
+    for n, (a, b, c) in itertools.product(range(20), [(2, 2, 2), (3, 2, 2)]):
         for x, y, z in itertools.product(range(a), range(b), range(c)):
             pl = (_StridedShard(0, split_factor=b * c), Shard(0), Shard(0))
             want = _chunk(_chunk(_chunk(torch.arange(n), b, y), c, z), a, x)
-            box = strided_box("k", (n,), (a, b, c), (x, y, z), pl)
+            box = mesh_box("k", (n,), (a, b, c), (x, y, z), pl)
             assert torch.equal(torch.arange(n)[box.slices()], want)
-            box = strided_box("k", (n, 5), (a, b, c), (x, y, z), (_StridedShard(0, split_factor=c), Shard(1), Shard(0)))
+            box = mesh_box("k", (n, 5), (a, b, c), (x, y, z), (_StridedShard(0, split_factor=c), Shard(1), Shard(0)))
             assert torch.equal(torch.arange(n)[box.slices()[:1]], _chunk(_chunk(torch.arange(n), c, z), a, x))
             assert box.shape[1] == _chunk(torch.arange(5), b, y).numel()
     assert cases > 1000
 
 
-def test_strided_box_agrees_with_torch_when_even():
+def test_mesh_box_agrees_with_torch_when_even():
     """Where every split is even, torch's compute_local_shape_and_global_offset
     (what DCP's planner uses) gives the same boxes."""
     from torch.distributed.tensor import Shard
     from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
     from torch.distributed.tensor.placement_types import _StridedShard
 
-    from tensorckpt.adapters.sharded import strided_box
+    from tensorckpt.adapters.sharded import mesh_box
 
     for dp, tp, k in itertools.product(range(2, 5), range(2, 5), range(1, 3)):
         n = dp * tp * k
         pl = (_StridedShard(0, split_factor=tp), Shard(0))
         for coord in itertools.product(range(dp), range(tp)):
             shape, offset = _compute_local_shape_and_global_offset((n, 2), (dp, tp), list(coord), pl)
-            box = strided_box("k", (n, 2), (dp, tp), coord, pl)
+            box = mesh_box("k", (n, 2), (dp, tp), coord, pl)
             assert (box.offset, box.shape) == (tuple(offset), tuple(shape))
+    pl = (_StridedShard(0, split_factor=2), Shard(0))
+    assert _compute_local_shape_and_global_offset((13,), (3, 2), [2, 0], pl) == ((2,), (6,))
+    assert mesh_box("k", (13,), (3, 2), (2, 0), pl).to_json() == [[6], [1]]
+    assert mesh_box("k", (13,), (3, 2), (2, 1), pl).to_json() == [[11], [2]]
 
 
 def test_unmatched_strided_shard_refused():
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.placement_types import _StridedShard
 
-    from tensorckpt.adapters.sharded import strided_box
+    from tensorckpt.adapters.sharded import mesh_box
 
     for pl in ((_StridedShard(0, split_factor=2), Replicate()), (_StridedShard(0, split_factor=2), Shard(1)),
                (_StridedShard(0, split_factor=4), Shard(0))):
         with pytest.raises(UnsupportedValueError, match="'w'.*several"):
-            strided_box("w", (8, 4), (2, 2), (0, 0), pl)
+            mesh_box("w", (8, 4), (2, 2), (0, 0), pl)
+
+
+def test_mesh_box_matches_torch_for_shard_placements():
+    """Shard/Replicate placements on 1- to 3-D meshes, even, uneven and
+    empty shards: the same boxes as torch's compute_local_shape_and_global_offset."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
+
+    from tensorckpt.adapters.sharded import mesh_box
+
+    kinds = (Shard(0), Shard(1), Replicate())
+    cases = 0
+    for mesh in ((3,), (4,), (2, 2), (2, 3), (3, 1), (2, 1, 2), (2, 2, 2)):
+        for pl in itertools.product(kinds, repeat=len(mesh)):
+            for shape in ((10, 7), (3, 5), (0, 4), (1, 1), (8, 6)):
+                for coord in itertools.product(*(range(m) for m in mesh)):
+                    lshape, offset = _compute_local_shape_and_global_offset(shape, mesh, list(coord), pl)
+                    box = mesh_box("k", shape, mesh, coord, pl)
+                    assert box.shape == tuple(lshape), (mesh, pl, shape, coord)
+                    if 0 not in lshape:
+                        assert box.offset == tuple(offset), (mesh, pl, shape, coord)
+                    cases += 1
+    assert cases > 2000

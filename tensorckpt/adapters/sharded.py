@@ -31,7 +31,6 @@ from ..layout.boxes import Box
 
 try:  # DTensor is optional: torch builds without distributed lack it
     from torch.distributed.tensor import DTensor, Replicate, Shard
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 except ImportError:  # pragma: no cover
     DTensor = Replicate = Shard = None
 
@@ -106,27 +105,20 @@ def _not_meta(key: str, t: torch.Tensor) -> torch.Tensor:
 
 
 def _dtensor_part(key: str, value) -> tuple[torch.Tensor, tuple[int, ...], Box]:
-    strided = False
     for p in value.placements:
-        if _is_strided(p):
-            strided = True
-        elif type(p) not in (Shard, Replicate):
+        if type(p) not in (Shard, Replicate) and not _is_strided(p):
             raise UnsupportedValueError(
                 f"{key!r}: DTensor placement {p} is not supported; use Shard(d), _StridedShard(d) or "
                 "Replicate() (redistribute() a Partial tensor first)"
             )
     shape = tuple(value.shape)
     local = _not_meta(key, value.to_local())
-    if strided:
-        coordinate = value.device_mesh.get_coordinate()
-        if coordinate is None:  # this rank is not in the mesh: it holds nothing
-            box = Box((0,) * len(shape), tuple(local.shape))
-        else:
-            box = strided_box(key, shape, tuple(value.device_mesh.shape), coordinate, value.placements)
-        lshape = box.shape
+    coordinate = value.device_mesh.get_coordinate()
+    if coordinate is None:  # this rank is not in the mesh: it holds nothing
+        box = Box((0,) * len(shape), tuple(local.shape))
     else:
-        lshape, offset = compute_local_shape_and_global_offset(shape, value.device_mesh, value.placements)
-        box = Box(tuple(offset), tuple(lshape))
+        box = mesh_box(key, shape, tuple(value.device_mesh.shape), coordinate, value.placements)
+    lshape = box.shape
     if tuple(local.shape) != tuple(lshape):
         raise UnsupportedValueError(
             f"{key!r}: DTensor local shard {list(local.shape)} differs from its placements' {list(lshape)}"
@@ -136,31 +128,37 @@ def _dtensor_part(key: str, value) -> tuple[torch.Tensor, tuple[int, ...], Box]:
     return local, shape, box
 
 
-def strided_box(key: str, shape: tuple[int, ...], mesh_shape: tuple[int, ...], coordinate, placements) -> Box:
-    """The box a mesh coordinate holds under placements with
-    ``_StridedShard`` (spec/format-v1.md 8.4), the way FSDP2 lays data out:
-    ``_StridedShard(d, sf)`` on mesh dimension ``i`` shards dimension ``d``
+def mesh_box(key: str, shape: tuple[int, ...], mesh_shape: tuple[int, ...], coordinate, placements) -> Box:
+    """The box a mesh coordinate holds (spec/format-v1.md 8.4). ``Shard(d)``
+    placements cut dimension ``d`` left to right, like torch's
+    ``compute_local_shape_and_global_offset``; ``_StridedShard`` placements
+    the way FSDP2 lays data out: ``_StridedShard(d, sf)`` on mesh dimension ``i`` shards dimension ``d``
     *after* the ``Shard(d)`` placements to its right whose mesh sizes
     multiply to ``sf`` (tensor parallelism shards first, FSDP then shards the
     local tensor). Every sharding of ``d`` keeps the ``torch.chunk`` piece of
     its rank, so the result is one box. Placements of another form (``sf``
     not matched by the shards to the right) are refused: they describe no
     layout FSDP2 builds."""
+    by_dim: dict[int, list[int]] = {}  # tensor dimension -> the mesh dimensions sharding it, in mesh order
+    for i, p in enumerate(placements):
+        if isinstance(p, Shard) or _is_strided(p):
+            by_dim.setdefault(p.dim, []).append(i)
     start, size = [0] * len(shape), list(shape)
-    for d in range(len(shape)):
-        for mesh_dim in _sharding_order(key, d, mesh_shape, placements):
+    for d, ops in by_dim.items():
+        for mesh_dim in _sharding_order(key, d, ops, mesh_shape, placements):
             n, r = mesh_shape[mesh_dim], coordinate[mesh_dim]
-            piece = -(-size[d] // n)
+            piece = -(-size[d] // n)  # torch.chunk's piece size; the pieces past the end are empty
             start[d] += r * piece
             size[d] = max(0, min(piece, size[d] - r * piece))
     return Box(tuple(start), tuple(size))
 
 
-def _sharding_order(key: str, d: int, mesh_shape: tuple[int, ...], placements) -> list[int]:
-    """The mesh dimensions sharding tensor dimension ``d``, in the order they
-    cut it."""
-    ops = [i for i, p in enumerate(placements) if isinstance(p, Shard) or _is_strided(p)]
-    ops = [i for i in ops if placements[i].dim == d]
+def _sharding_order(key: str, d: int, ops: list[int], mesh_shape: tuple[int, ...], placements) -> list[int]:
+    """The mesh dimensions ``ops`` sharding tensor dimension ``d`` (in mesh
+    order), in the order they cut it: each ``_StridedShard`` after the
+    shards to its right that its split factor counts."""
+    if not any(_is_strided(placements[i]) for i in ops):
+        return ops
     order, k = [], 0
     while k < len(ops):
         p = placements[ops[k]]
