@@ -17,12 +17,15 @@ that holds the wrong rows cannot pass. At world 4 the same processes:
 - check the refusals: placements that are not FSDP2's (several boxes per
   rank) and a legacy ShardedTensor with two shards on one rank;
 - load the FSDP2 x TP checkpoint into FSDP2 x TP and TP models built on the
-  meta device (tests/test_meta_load.py's ``load_meta``).
+  meta device (tests/test_meta_load.py's ``load_meta``);
+- save model and Adam state (moments under ``_StridedShard`` too) after a
+  step under FSDP2 x TP and load both under TP on 4.
 
-At world 2 the FSDP2 x TP checkpoint is loaded as FSDP2 on 2 and as
-FSDP2 x TP 1x2, and into FSDP2 and TP models built on meta (the FSDP2 one
-then runs forward and backward); at world 1 (this process) into a plain
-module. Uneven sizes throughout (11 rows over
+At world 2 the FSDP2 x TP checkpoint is loaded as FSDP2 on 2, as
+FSDP2 x TP 1x2, as FSDP1 ``SHARDED_STATE_DICT`` (legacy ShardedTensors, also
+saved that way and loaded into a plain module), and into FSDP2 and TP models
+built on meta (the FSDP2 one then runs forward and backward); at world 1
+(this process) into a plain module. Uneven sizes throughout (11 rows over
 TP 2 and then FSDP 2 give 3/3/3/2; 3 rows leave an empty FSDP shard).
 
 Default run: one 4-process and one 2-process spawn, about 45 s on a
@@ -175,6 +178,7 @@ def _world4(rank: int, world: int, base: str) -> dict:
         zero(t)
         tensorckpt.load({"model": t}, f"{base}/tp")
         check_equal(t, "tp -> fsdp_tp")
+    _optimizer(base)
     _legacy(rank, world, base)
     out["refusals"] = _refusals(rank, world, base)
     from test_meta_load import load_meta
@@ -183,12 +187,53 @@ def _world4(rank: int, world: int, base: str) -> dict:
     return out
 
 
+def _optimizer(base: str) -> None:
+    """Adam's moments are laid out like their parameters (_StridedShard):
+    saved with the model under FSDP2 x TP, loaded under TP on 4."""
+    m = build("fsdp_tp")
+    opt = torch.optim.Adam(m.parameters(), lr=0.1)
+    for p in m.parameters():
+        p.grad = torch.ones_like(p) * 0.5
+    opt.step()
+    tensorckpt.save({"model": m, "optim": opt}, f"{base}/optim")
+    want = {(n, k): full(v).clone() for n, p in m.named_parameters() for k, v in opt.state[p].items()}
+    t = build("tp", values=False)
+    topt = torch.optim.Adam(t.parameters(), lr=0.1)
+    tensorckpt.load({"model": t, "optim": topt}, f"{base}/optim")
+    got = {(n, k): full(v) for n, p in t.named_parameters() for k, v in topt.state[p].items()}
+    assert got.keys() == want.keys()
+    for k, v in want.items():
+        assert torch.equal(got[k], v), f"optimizer state {k} after fsdp_tp -> tp"
+    for (n, p), q in zip(t.named_parameters(), m.parameters()):
+        assert torch.equal(full(p), full(q)), f"stepped parameter {n} after fsdp_tp -> tp"
+
+
+def _fsdp1(base: str) -> None:
+    """FSDP1's SHARDED_STATE_DICT (legacy ShardedTensors): saved, and loaded
+    from the FSDP2 x TP checkpoint."""
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    from torch.distributed.fsdp import StateDictType
+
+    f = FSDP(build("plain"), device_id=torch.device("cpu"), use_orig_params=True)
+    with FSDP.state_dict_type(f, StateDictType.SHARDED_STATE_DICT):
+        assert type(f.state_dict()["a.weight"]).__name__ == "ShardedTensor"
+        tensorckpt.save({"model": f}, f"{base}/fsdp1")
+    g = FSDP(build("plain", values=False), device_id=torch.device("cpu"), use_orig_params=True)
+    with FSDP.state_dict_type(g, StateDictType.SHARDED_STATE_DICT):
+        tensorckpt.load({"model": g}, f"{base}/fsdp_tp")
+    with FSDP.state_dict_type(g, StateDictType.FULL_STATE_DICT):
+        full_sd = g.state_dict()
+    for k, v in reference().items():
+        assert torch.equal(full_sd[k], v), f"fsdp_tp -> FSDP1 sharded: {k}"
+
+
 def _world2(rank: int, world: int, base: str) -> None:
     for layout in ("fsdp", "fsdp_tp:1x2") + (("fsdp_tp:2x1",) if FULL else ()):
         t = build(layout, values=False)
         zero(t)
         tensorckpt.load({"model": t}, f"{base}/fsdp_tp")
         check_equal(t, f"fsdp_tp -> {layout} at world 2")
+    _fsdp1(base)
     from test_meta_load import load_meta
 
     load_meta(world, f"{base}/fsdp_tp", ["fsdp", "tp"] + (["fsdp_tp:1x2"] if FULL else []))
@@ -288,6 +333,10 @@ def test_refusals_name_the_key(saved):
 def test_load_at_world_2(saved):
     base, _ = saved
     dist.run(2, _world2, base, timeout=240)
+    m = Net()
+    zero(m)
+    tensorckpt.load({"model": m}, f"{base}/fsdp1")
+    check_equal(m, "FSDP1 sharded -> plain")
 
 
 def test_load_into_plain_module(saved):
