@@ -6,9 +6,10 @@ reads the checkpoint into them and hands them to the module with
 ``load_state_dict(..., assign=True)``. A bare meta tensor in a plain dict is
 refused: a load is never a silent no-op.
 
-Here, in this process (about 2 s): a plain module built on meta, loaded
-(values bit for bit, trainable Parameters, forward and backward), and the
-refusals. The distributed cases run inside tests/test_strided_dist.py's
+Here, in this process (about 5 s): a plain module built on meta, loaded
+(values bit for bit, trainable Parameters, forward and backward); a tiny
+transformers Llama with tied embeddings (the tie kept, its non-persistent
+rotary buffer named in a warning); and the refusals. The distributed cases run inside tests/test_strided_dist.py's
 spawns (to save process start-up), through :func:`load_meta`: its FSDP2 x TP
 checkpoint loaded into FSDP2 and TP models built on meta at world 2, and
 FSDP2 x TP 2x2 and TP on 4 at world 4 (more with ``TENSORCKPT_FULL=1``).
@@ -95,3 +96,28 @@ def test_bare_meta_tensor_refused(ckpt):
         tensorckpt.load(state, ckpt)
     with pytest.raises(TensorckptError, match=r"'w'.*meta device"):
         tensorckpt.save({"w": torch.empty(2, device="meta")}, ckpt + "-meta", overwrite=True)
+
+
+def test_tiny_llama_on_meta(tmp_path):
+    """A transformers Llama with tied embeddings built on meta: tensors
+    loaded bit for bit, the tie kept, and the rotary frequencies (a
+    non-persistent buffer, in no checkpoint) named in a warning."""
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.LlamaConfig(
+        vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, max_position_embeddings=32, tie_word_embeddings=True,
+    )
+    torch.manual_seed(0)
+    src = transformers.LlamaForCausalLM(cfg)
+    tensorckpt.save({"model": src}, str(tmp_path / "llama"))
+    with torch.device("meta"):
+        m = transformers.LlamaForCausalLM(cfg)
+    with pytest.warns(UserWarning, match=r"'model': loaded, but \['model\.rotary_emb\.inv_freq'.*meta device"):
+        tensorckpt.load({"model": m}, str(tmp_path / "llama"))
+    want = src.state_dict()
+    got = m.state_dict()
+    assert got.keys() == want.keys()
+    for k, v in want.items():
+        assert not got[k].is_meta and torch.equal(got[k], v), k
+    assert m.lm_head.weight is m.model.embed_tokens.weight
+    assert all(p.requires_grad for p in m.parameters())

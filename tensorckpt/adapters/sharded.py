@@ -209,32 +209,3 @@ def _legacy_part(key: str, value) -> tuple[torch.Tensor, tuple[int, ...], Box]:
         )
     return _not_meta(key, local), shape, box
 
-
-def materialized(state: dict) -> dict:
-    """``state`` (a module's ``state_dict()``) with every tensor on the meta
-    device replaced by a new, uninitialised one of the same layout, for a load
-    to fill and ``load_state_dict(..., assign=True)`` to hand to the module: a
-    DTensor keeps its mesh and placements, its local tensor allocated on the
-    mesh's device type; a plain tensor goes to the CPU. Tensors shared by
-    several keys (tied weights) stay shared."""
-    out, made = {}, {}
-    for key, value in state.items():
-        if isinstance(value, torch.Tensor) and value.is_meta:
-            if id(value) not in made:
-                made[id(value)] = _allocate(value)
-            value = made[id(value)]
-        out[key] = value
-    return out
-
-
-def _allocate(value: torch.Tensor) -> torch.Tensor:
-    if DTensor is not None and isinstance(value, DTensor):
-        mesh = value.device_mesh
-        local = torch.empty(value.to_local().shape, dtype=value.dtype, device=mesh.device_type)
-        return DTensor.from_local(local, mesh, value.placements, run_check=False, shape=value.shape, stride=value.stride())
-    return torch.empty(value.shape, dtype=value.dtype, device="cpu")
-
-
-def has_meta(tensors) -> bool:
-    """Whether any of ``tensors`` is on the meta device."""
-    return any(isinstance(t, torch.Tensor) and t.is_meta for t in tensors)

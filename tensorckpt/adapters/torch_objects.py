@@ -42,8 +42,9 @@ from ..errors import IncompatibleStateError, UnsupportedValueError
 from ..format import dtypes
 from ..format.keys import split_flat_key
 from ..format.metadata import TensorEntry, check_value
+from . import meta
 from .registry import Context, Stored, register
-from .sharded import has_meta, is_tensor_leaf, materialized
+from .sharded import is_tensor_leaf
 from .state import set_leaf
 
 EXTRA_STATE = "_extra_state"  # torch.nn.Module's suffix for get_extra_state() keys
@@ -65,16 +66,11 @@ class ModuleAdapter:
         return state
 
     def load_target(self, module, stored, ctx):
-        return materialized(module.state_dict())  # meta tensors: new ones to read into (sharded.py)
+        return meta.materialized(module.state_dict())  # tensors on meta: new ones to read into
 
     def apply(self, module, loaded, ctx):
-        module.load_state_dict(loaded, assign=_on_meta(module))
-
-
-def _on_meta(module) -> bool:
-    """A module built on the meta device gets the tensors the load allocated
-    and filled (``assign=True``); any other is filled in place."""
-    return has_meta(chain(module.parameters(), module.buffers()))
+        with meta.assigning(module, lambda: _where(module, ctx)) as assign:  # modules built on meta
+            module.load_state_dict(loaded, assign=assign)
 
 
 def _check_extra_state(value, key: str, owner: str) -> None:
