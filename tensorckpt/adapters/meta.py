@@ -21,7 +21,7 @@ import torch
 try:
     from torch.distributed.tensor import DTensor
 except ImportError:  # pragma: no cover
-    DTensor = None
+    DTensor = None  # type: ignore[misc,assignment]
 
 
 def materialized(state: Mapping) -> dict:

@@ -32,17 +32,17 @@ from ..layout.boxes import Box
 try:  # DTensor is optional: torch builds without distributed lack it
     from torch.distributed.tensor import DTensor, Replicate, Shard
 except ImportError:  # pragma: no cover
-    DTensor = Replicate = Shard = None
+    DTensor = Replicate = Shard = None  # type: ignore[misc,assignment]
 
 try:  # private in torch: FSDP2 over tensor parallelism places parameters with it
     from torch.distributed.tensor.placement_types import _StridedShard
 except ImportError:  # pragma: no cover
-    _StridedShard = None
+    _StridedShard = None  # type: ignore[misc,assignment]
 
 try:  # torch's legacy ShardedTensor (deprecated by torch, still written by FSDP1)
     from torch.distributed._shard.sharded_tensor import ShardedTensor as TorchShardedTensor
 except ImportError:  # pragma: no cover
-    TorchShardedTensor = None
+    TorchShardedTensor = None  # type: ignore[misc,assignment]
 
 
 @dataclass(frozen=True)
@@ -115,9 +115,8 @@ def _dtensor_part(key: str, value) -> tuple[torch.Tensor, tuple[int, ...], Box]:
     local = _not_meta(key, value.to_local())
     coordinate = value.device_mesh.get_coordinate()
     if coordinate is None:  # this rank is not in the mesh: it holds nothing
-        box = Box((0,) * len(shape), tuple(local.shape))
-    else:
-        box = mesh_box(key, shape, tuple(value.device_mesh.shape), coordinate, value.placements)
+        return local, shape, Box((0,) * len(shape), (0,) * len(shape))
+    box = mesh_box(key, shape, tuple(value.device_mesh.shape), coordinate, value.placements)
     lshape = box.shape
     if tuple(local.shape) != tuple(lshape):
         raise UnsupportedValueError(
