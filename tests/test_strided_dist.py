@@ -172,6 +172,7 @@ def _world4(rank: int, world: int, base: str) -> dict:
             zero(t)
             tensorckpt.load({"model": t}, f"{base}/{src}")
             check_equal(t, f"{src} -> {layout}")
+            check_boxes(t, f"{src} -> {layout}")
     if FULL:
         tensorckpt.save({"model": build("tp")}, f"{base}/tp")
         t = build("fsdp_tp", values=False)
