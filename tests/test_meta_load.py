@@ -6,10 +6,11 @@ reads the checkpoint into them and hands them to the module with
 ``load_state_dict(..., assign=True)``. A bare meta tensor in a plain dict is
 refused: a load is never a silent no-op.
 
-Here, in this process (about 5 s): a plain module built on meta, loaded
-(values bit for bit, trainable Parameters, forward and backward); a tiny
-transformers Llama with tied embeddings (the tie kept, its non-persistent
-rotary buffer named in a warning); and the refusals. The distributed cases run inside tests/test_strided_dist.py's
+Here, in this process (about 2 s): a plain module built on meta, loaded
+(values bit for bit, trainable Parameters, forward and backward); a module
+with tied embeddings (the tie kept, its non-persistent buffer named in a
+warning); and the refusals. ``TENSORCKPT_FULL=1`` adds a tiny transformers
+Llama with tied embeddings and rotary buffers (15 s: the import). The distributed cases run inside tests/test_strided_dist.py's
 spawns (to save process start-up), through :func:`load_meta`: its FSDP2 x TP
 checkpoint loaded into FSDP2 and TP models built on meta at world 2, and
 FSDP2 x TP 2x2 and TP on 4 at world 4 (more with ``TENSORCKPT_FULL=1``).
@@ -98,6 +99,31 @@ def test_bare_meta_tensor_refused(ckpt):
         tensorckpt.save({"w": torch.empty(2, device="meta")}, ckpt + "-meta", overwrite=True)
 
 
+class Tied(torch.nn.Module):
+    """Tied input/output embeddings and a non-persistent buffer, like a language model's."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = torch.nn.Embedding(5, 3)
+        self.out = torch.nn.Linear(3, 5, bias=False)
+        self.out.weight = self.emb.weight
+        self.register_buffer("freq", torch.arange(3.0), persistent=False)
+
+
+def test_tied_module_on_meta(tmp_path):
+    """The tie is kept; the non-persistent buffer (in no checkpoint) is named in a warning."""
+    torch.manual_seed(0)
+    src = Tied()
+    tensorckpt.save({"model": src}, str(tmp_path / "tied"))
+    with torch.device("meta"):
+        m = Tied()
+    with pytest.warns(UserWarning, match=r"'model': loaded, but \['freq'\] are still on the meta device"):
+        tensorckpt.load({"model": m}, str(tmp_path / "tied"))
+    assert m.out.weight is m.emb.weight and isinstance(m.emb.weight, torch.nn.Parameter)
+    assert torch.equal(m.emb.weight, src.emb.weight) and not m.emb.weight.is_meta
+
+
+@pytest.mark.skipif(os.environ.get("TENSORCKPT_FULL") != "1", reason="TENSORCKPT_FULL=1 (imports transformers: 15 s)")
 def test_tiny_llama_on_meta(tmp_path):
     """A transformers Llama with tied embeddings built on meta: tensors
     loaded bit for bit, the tie kept, and the rotary frequencies (a
