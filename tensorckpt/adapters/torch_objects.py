@@ -42,6 +42,7 @@ from ..errors import IncompatibleStateError, UnsupportedValueError
 from ..format import dtypes
 from ..format.keys import split_flat_key
 from ..format.metadata import TensorEntry, check_value
+from . import meta
 from .registry import Context, Stored, register
 from .sharded import is_tensor_leaf
 from .state import set_leaf
@@ -65,10 +66,11 @@ class ModuleAdapter:
         return state
 
     def load_target(self, module, stored, ctx):
-        return module.state_dict()
+        return meta.materialized(module.state_dict())  # tensors on meta: new ones to read into
 
     def apply(self, module, loaded, ctx):
-        module.load_state_dict(loaded)
+        with meta.assigning(module, lambda: _where(module, ctx)) as assign:  # modules built on meta
+            module.load_state_dict(loaded, assign=assign)
 
 
 def _check_extra_state(value, key: str, owner: str) -> None:
