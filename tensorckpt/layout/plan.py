@@ -302,12 +302,27 @@ def _layouts(plans: list[LocalPlan]) -> tuple[tuple[int, ...], tuple[LocalItems,
 
 
 def merge_values(plans: list[LocalPlan]) -> dict:
-    """Non-tensor values of all ranks; for a key several ranks hold, the lowest rank's."""
+    """Non-tensor values of all ranks. A key several ranks hold must have the
+    same value on each (one would be lost): else IncompatibleStateError."""
     values: dict = {}
+    first: dict = {}
     for p in sorted(plans, key=lambda p: p.rank):
         for k, v in p.values.items():
-            values.setdefault(k, v)
+            if k not in values:
+                values[k], first[k] = v, p.rank
+            elif values[k] != v or type(values[k]) is not type(v):
+                raise IncompatibleStateError(
+                    f"{k!r}: ranks {first[k]} and {p.rank} save different values under this key "
+                    f"({_short(values[k])} and {_short(v)}); a checkpoint holds one value per key, so one would be "
+                    "lost. Give what differs per rank distinct keys (e.g. a layer or expert number in the name, "
+                    "see tensorckpt.shift_layers), or save the same value on every rank"
+                )
     return values
+
+
+def _short(value, limit: int = 80) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def plan_bytes(plan: SavePlan, rank: int) -> int:
