@@ -202,6 +202,8 @@ def _load_builtins() -> None:
     if _BUILTINS_LOADED:
         return
     _BUILTINS_LOADED = True
-    from . import optimizer  # noqa: F401  (Optimizer)
-    from . import rng  # noqa: F401  (rng_state())
-    from . import torch_objects  # noqa: F401  (Module, LRScheduler)
+    from . import (
+        optimizer,  # noqa: F401  (Optimizer)
+        rng,  # noqa: F401  (rng_state())
+        torch_objects,  # noqa: F401  (Module, LRScheduler)
+    )
