@@ -174,14 +174,16 @@ def stored_hparams(saved: Mapping, where: str, keys: list[str]) -> dict[str, dic
 
 
 def _check_names(opt, groups, hparams: dict, with_state: set, ctx: Context, where: str) -> None:
-    """Per-parameter matching (training-state.md 4.3): names on one side only,
-    state the checkpoint lacks, groups whose parameters' stored
-    hyperparameters disagree."""
+    """Per-parameter matching (training-state.md 4.3): names of the optimizer
+    the checkpoint lacks, state the checkpoint lacks, groups whose parameters'
+    stored hyperparameters disagree. Names only the checkpoint has are left
+    out of the target: under expert or pipeline parallelism other ranks hold
+    them, and load reports the keys that no rank wants (unless partial)."""
     mine = [fqn for fqn, _ in chain.from_iterable(groups)]
     theirs = set(hparams) | with_state
     only_ckpt = sorted(theirs - set(mine))
     only_opt = sorted(set(mine) - theirs)
-    if only_opt and ctx.strict or only_ckpt and ctx.strict and not ctx.partial:
+    if only_opt and ctx.strict:  # only_ckpt is normal here: other ranks may hold them (load checks the union)
         raise IncompatibleStateError(
             f"{where!r}: the optimizer's parameter names differ from the checkpoint's: only in the checkpoint: "
             f"{names_list(only_ckpt)}; only in the optimizer: {names_list(only_opt)}. Names are FQNs in the "
