@@ -250,7 +250,7 @@ def test_parameter_grouping_mismatch(mem_url):
     model, opt, sched = setup("adam", "step", seed=0)  # one group
     url = mem_url()
     tensorckpt.save({"model": model, "optim": opt}, url)
-    with pytest.raises(tensorckpt.IncompatibleStateError, match="a Adam optimizer there, but the state has a AdamW"):
+    with pytest.raises(tensorckpt.IncompatibleStateError, match="optimizer class 'Adam' there, but the state's optimizer is of class 'AdamW'"):
         tensorckpt.load({"model": model, "optim": make_optim("adamw", model)}, url)
     names = [n for n, _ in model.named_parameters()]
     regrouped = torch.optim.Adam([{"params": [model.get_parameter(n) for n in names[:3]], "lr": 0.5},

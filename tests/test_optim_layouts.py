@@ -349,7 +349,7 @@ def test_other_optimizer_class_is_a_clear_error(tmp_path, saved, loaded):
     model(torch.ones(1, 2)).sum().backward()
     opt.step()
     tensorckpt.save({"model": model, "optim": opt}, tmp_path / "c")
-    with pytest.raises(tensorckpt.IncompatibleStateError, match=f"a {saved} optimizer there, but the state has a {loaded}"):
+    with pytest.raises(tensorckpt.IncompatibleStateError, match=f"optimizer class '{saved}' there, but the state's optimizer is of class '{loaded}'"):
         tensorckpt.load({"model": model, "optim": make[loaded](model)}, tmp_path / "c")
 
 
@@ -357,5 +357,5 @@ def test_other_scheduler_class_is_a_clear_error(tmp_path):
     model = nn.Linear(2, 2)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     tensorckpt.save({"sched": torch.optim.lr_scheduler.StepLR(opt, 2)}, tmp_path / "c")
-    with pytest.raises(tensorckpt.IncompatibleStateError, match="a StepLR LR scheduler there, but the state has a ExponentialLR"):
+    with pytest.raises(tensorckpt.IncompatibleStateError, match="LR scheduler class 'StepLR' there, but the state's LR scheduler is of class 'ExponentialLR'"):
         tensorckpt.load({"sched": torch.optim.lr_scheduler.ExponentialLR(opt, 0.9)}, tmp_path / "c")

@@ -74,14 +74,14 @@ def canonical(module: torch.nn.Module, name: str) -> str:
     parts = name.split(".")
     if _WRAPPER_NAMES.isdisjoint(parts):
         return name
-    out, node = [], module
+    out: list[str] = []
+    node: object = module
     for component in parts:
         if node is not None and _skipped(node, component):
             node = getattr(node, component, None)
             continue
         out.append(component)
-        child = node._modules.get(component) if isinstance(node, torch.nn.Module) else None
-        node = child
+        node = node._modules.get(component) if isinstance(node, torch.nn.Module) else None
     return ".".join(out)
 
 

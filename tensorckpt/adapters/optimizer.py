@@ -44,7 +44,7 @@ import torch
 
 from ..errors import IncompatibleStateError, UnsupportedValueError
 from ..format.metadata import TensorEntry
-from .names import module_of, namer
+from .names import Renamed, module_of, namer
 from .registry import Context, Stored, register
 from .torch_objects import CLASS, check_class, dtype_of, names_list, tree, where_in
 
@@ -70,7 +70,8 @@ class OptimizerAdapter:
                 state[fqn] = {k: _scalar_as_data(v, p) for k, v in opt.state[p].items()}
             elif p in opt.state:
                 state[fqn] = {}
-        hparams, group_of = {}, {}
+        hparams: dict[str, dict] = {}
+        group_of: dict[str, str] = {}
         for g, named in zip(opt.param_groups, groups):
             hp = {k: _scalar_as_data(v) for k, v in g.items() if k not in ("params", "param_names")}
             gid = group_id(hp, where_in(opt, ctx))
@@ -198,7 +199,7 @@ def _check_names(opt, groups, hparams: dict, with_state: set, ctx: Context, wher
             "had no state when it was saved); loading would drop it. Pass strict=False to keep it"
         )
     for i, named in enumerate(groups):
-        seen = {}
+        seen: dict[str, str] = {}
         for fqn, _ in named:
             if fqn in hparams:
                 key = json.dumps(hparams[fqn], sort_keys=True)
@@ -243,8 +244,6 @@ def named_groups(opt, ctx: Context) -> list[list[tuple[str, torch.Tensor]]]:
 
 
 def _modules(node: Mapping, prefix: tuple[str, ...]):
-    from .names import Renamed
-
     for name, value in node.items():
         if isinstance(value, (torch.nn.Module, Renamed)):
             yield prefix + (name,), value

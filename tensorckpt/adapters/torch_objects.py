@@ -200,9 +200,10 @@ def _decode(loaded: Mapping, current) -> dict:
 # ------------------------------------------------------------------ helpers
 
 
-def tree(stored: Stored, tensor_for: Callable[[tuple, TensorEntry], torch.Tensor | None]) -> dict:
+def tree(stored: Stored, tensor_for: Callable[[tuple, TensorEntry], object]) -> dict:
     """A plain target shaped like what is stored: each value as a placeholder
-    (load replaces it), each tensor from ``tensor_for(path, entry)``."""
+    (load replaces it), each tensor from ``tensor_for(path, entry)`` (left
+    out where it returns None)."""
     tree: dict = {}
     for key, value in stored.values.items():
         set_leaf(tree, split_flat_key(key), value)
@@ -245,8 +246,9 @@ def check_class(obj, stored: Stored, where: str, kind: str) -> None:
     saved = stored.values.get(CLASS)
     if saved is not None and saved != type(obj).__name__:
         raise IncompatibleStateError(
-            f"{where!r}: the checkpoint holds the state of a {saved} {kind} there, but the state has a "
-            f"{type(obj).__name__}; build the {kind} as when saving (a {saved}), or leave {where!r} out of the state"
+            f"{where!r}: the checkpoint holds the state of {kind} class {saved!r} there, but the state's {kind} "
+            f"is of class {type(obj).__name__!r}; build the {kind} as when saving (a {saved}), or leave {where!r} "
+            "out of the state"
         )
 
 
