@@ -153,6 +153,17 @@ def _distributed(rank: int, world: int, base: str) -> str:
     for tag, wrap in (("ddp", ddp), ("fsdp1", fsdp1)):
         roundtrip(wrap, pathlib.Path(base), tag)
         assert any(n.startswith(("module.", "_fsdp_wrapped_module.")) for n, _ in wrap(build(0)).named_parameters())
+    # sharded FSDP1 (at world 1 FSDP1 falls back to NO_SHARD: set the strategy a larger world has)
+    from torch.distributed.fsdp import ShardingStrategy
+
+    model = fsdp1(build(0))
+    model.sharding_strategy = ShardingStrategy.FULL_SHARD
+    try:
+        tensorckpt.save({"model": model, "optim": torch.optim.AdamW(model.parameters())}, f"{base}/sharded")
+        return "saved a sharded FSDP1 optimizer"
+    except tensorckpt.UnsupportedValueError as e:
+        if "is FSDP1 (FullyShardedDataParallel) sharding its parameters" not in str(e) or os.path.exists(f"{base}/sharded"):
+            return str(e)
     return "ok"
 
 

@@ -56,6 +56,18 @@ def _is(obj, module: str, name: str) -> bool:
     return cls is not None and isinstance(obj, cls)
 
 
+def sharded_fsdp1(module: torch.nn.Module) -> torch.nn.Module | None:
+    """A submodule of ``module`` that is an FSDP1 ``FullyShardedDataParallel``
+    sharding its parameters (any strategy but NO_SHARD): its parameters are
+    flat local shards, not the logical parameters."""
+    for m in module.modules():
+        if _is(m, "torch.distributed.fsdp.fully_sharded_data_parallel", "FullyShardedDataParallel"):
+            strategy = getattr(m, "sharding_strategy", None)
+            if getattr(strategy, "name", "NO_SHARD") != "NO_SHARD":
+                return m
+    return None
+
+
 def _skipped(parent, component: str) -> bool:
     if component == CHECKPOINT_WRAPPED:
         return True

@@ -44,7 +44,7 @@ import torch
 
 from ..errors import IncompatibleStateError, UnsupportedValueError
 from ..format.metadata import TensorEntry
-from .names import Renamed, module_of, namer
+from .names import Renamed, module_of, namer, sharded_fsdp1
 from .registry import Context, Stored, register
 from .torch_objects import CLASS, check_class, dtype_of, names_list, tree, where_in
 
@@ -221,6 +221,13 @@ def named_groups(opt, ctx: Context) -> list[list[tuple[str, torch.Tensor]]]:
     prefixed with the module's key path (``gen.fc.weight``)."""
     owners: dict[int, tuple[tuple[str, ...], str]] = {}
     for path, obj in _modules(ctx.state, ()):
+        if sharded_fsdp1(module_of(obj)) is not None:
+            raise UnsupportedValueError(
+                f"{where_in(opt, ctx)!r}: the model at {'/'.join(path)!r} is FSDP1 (FullyShardedDataParallel) "
+                "sharding its parameters: the optimizer's parameters are flat local shards, which this adapter "
+                "cannot name as logical tensors. Use FSDP2 (torch.distributed.fsdp.fully_shard), or save "
+                "FullyShardedDataParallel.optim_state_dict(model, optimizer) (a plain state dict) instead of the optimizer"
+            )
         name_of = namer(obj)
         for name, p in module_of(obj).named_parameters():
             owners.setdefault(id(p), (path, name_of(name)))
