@@ -174,7 +174,7 @@ def worker(rank: int, world: int, base: str) -> dict:
 
     model, opt = ep_setup(4, rank, trained=True)
     tensorckpt.save({"model": model, "optim": opt}, f"{base}/ep4")
-    stage, view, sopt, _ = pp_setup(4, rank, trained=True)
+    _, view, sopt, _ = pp_setup(4, rank, trained=True)
     tensorckpt.save({"model": view, "optim": sopt}, f"{base}/pp4")
     pair = tdist.new_group([0, 1])
     out = world2(rank, pair, base) if rank < 2 else {}

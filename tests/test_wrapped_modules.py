@@ -51,7 +51,9 @@ def build(seed: int) -> nn.Module:
 
 
 def checkpointed(model: nn.Module) -> nn.Module:
-    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import apply_activation_checkpointing
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+        apply_activation_checkpointing,
+    )
 
     apply_activation_checkpointing(model, check_fn=lambda m: isinstance(m, (Block, nn.Linear)) and not isinstance(m, Head))
     return model
