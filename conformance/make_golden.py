@@ -169,10 +169,38 @@ def plain_training_state(objects: dict) -> dict:
 
 
 def golden_training_state():
-    """Format 1.1: the keys of training-state.md and rng-and-data.md (model,
+    """Format 1.1 (written by tensorckpt before 1.2; not rewritable now: the
+    adapters write 1.2): the keys of training-state.md and rng-and-data.md (model,
     optimizer, scheduler, sampler, rng) for a 1-process run (see
     :func:`training_objects`)."""
     return plain_training_state(training_objects()), {}, {"golden": "training_state"}
+
+
+class TiedLM(torch.nn.Module):
+    """An embedding and an output projection sharing one weight (stored once)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(3, 2)
+        self.head = torch.nn.Linear(2, 3, bias=False)
+        self.head.weight = self.embed.weight
+        with torch.no_grad():
+            self.embed.weight.copy_(torch.arange(6, dtype=torch.float32).reshape(3, 2) * 0.5 - 1)
+
+
+def training_objects_1_2() -> dict:
+    """The model, AdamW and MultiStepLR of :func:`training_objects`, and a
+    :class:`TiedLM` (no sampler and generators: their keys did not change)."""
+    objects = training_objects()
+    return {"model": objects["model"], "optim": objects["optim"], "sched": objects["sched"], "tied": TiedLM(),
+            "step": objects["step"]}
+
+
+def golden_training_state_1_2():
+    """Format 1.2: the training-state layout of 1.2 (optimizer ``class``,
+    ``group_of/<fqn>``, ``groups/<id>/<hparam>``; scheduler ``class``; a tied
+    weight as ``<fqn>/tied_to``) for :func:`training_objects_1_2`."""
+    return plain_training_state(training_objects_1_2()), {}, {"golden": "training_state_1_2"}
 
 
 GOLDENS = {
@@ -182,6 +210,7 @@ GOLDENS = {
     "sharded": golden_sharded,
     "save_stats_1_1": golden_save_stats_1_1,
     "training_state": golden_training_state,
+    "training_state_1_2": golden_training_state_1_2,
 }
 
 

@@ -16,7 +16,7 @@ def test_inspect_prints_tree_version_and_status(tmp_path, capsys):
     tensorckpt.save({"model": {"w": torch.zeros(3, 4, dtype=torch.bfloat16)}, "step": 7}, path)
     assert main(["inspect", str(path)]) == 0
     out = capsys.readouterr().out
-    assert "committed" in out and "format      1.1" in out
+    assert "committed" in out and f"format      {tensorckpt.FORMAT_VERSION}" in out
     assert "model/" in out and "[3, 4]" in out and "bfloat16" in out and "24 B" in out
     assert "step" in out and "= 7" in out
 

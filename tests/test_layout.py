@@ -436,7 +436,7 @@ def local_plans(draw):
                 continue
             holders.setdefault(r, []).append(LocalItem(key, dtype, shape, box))
     # items are per key; ranks [0, n_ranks) all exist (possibly holding nothing)
-    values = {r: {"step": r, f"v{r}": [r]} for r in range(n_ranks)}
+    values = {r: {"step": 0, f"v{r}": [r]} for r in range(n_ranks)}  # a shared key: equal on every rank
     plans = [LocalPlan(r, tuple(holders.get(r, ())), values[r]) for r in range(n_ranks)]
     shard_bytes = draw(st.sampled_from([1, 16, 64, grid.DEFAULT_SHARD_BYTES]))
     return plans, keys, shard_bytes
@@ -469,7 +469,7 @@ def test_build_save_plan(case):
             assert len(in_written) == 1, f"{key}: stored chunk {cb} (grid {e.chunk_shape}) lies in {in_written}"
         holders = {p.rank for p in plans for it in p.items if it.key == key}
         assert plan.meta_writers[key] in holders
-    # values: the lowest rank holding a value wins
+    # values: the union; a key several ranks hold has one value
     assert plan.values["step"] == 0
     assert all(plan.values[f"v{p.rank}"] == [p.rank] for p in plans)
     assert sum(plan_bytes(plan, p.rank) for p in plans) == sum(
@@ -516,6 +516,11 @@ def test_ranks_disagreeing_on_tensor_name_the_key(other):
 def test_tensor_value_clash_names_the_key():
     with pytest.raises(IncompatibleStateError, match="step"):
         build_save_plan([LocalPlan(0, (LocalItem("step", "int64", (), Box((), ())),)), LocalPlan(1, (), {"step": 3})])
+    # one key, different values on two ranks: one would be lost (format-v1.md 9.4, since 1.2)
+    with pytest.raises(IncompatibleStateError, match=r"'lr': rank 0 has 0.1, rank 2 has 0.2"):
+        build_save_plan([LocalPlan(0, (), {"lr": 0.1}), LocalPlan(1, (), {"lr": 0.1}), LocalPlan(2, (), {"lr": 0.2})])
+    with pytest.raises(IncompatibleStateError, match="'flag': rank 0 has True, rank 1 has 1"):  # 1 == True in Python, not in JSON
+        build_save_plan([LocalPlan(0, (), {"flag": True}), LocalPlan(1, (), {"flag": 1})])
 
 
 def test_bad_partition_names_the_key():
@@ -765,7 +770,7 @@ def test_local_items_reject_bad_input():
 
 def test_save_plan_pickles_and_replaces():
     items = [LocalItem("w", "float32", (8, 2), Box((4 * r, 0), (4, 2))) for r in range(2)]
-    plan = build_save_plan([LocalPlan(r, (items[r],), {"v": r}) for r in range(2)])
+    plan = build_save_plan([LocalPlan(r, (items[r],), {"v": 0, f"r{r}": r}) for r in range(2)])
     back = pickle.loads(pickle.dumps(plan))
     assert back == plan and back.writes_of(1) == (("w", items[1].box),) and back.writes_of(7) == ()
     assert replace(plan, values={"v": 9}).writes == plan.writes

@@ -150,8 +150,11 @@ def test_key_layout(mem_url):
     assert not any(k.startswith("optim/state/0") for k in keys)  # never integer ids
     assert ck.read("optim/state/fc1.weight/step") == 2.0  # a 0-d step is a JSON number ...
     assert ck.info("optim/state/scale/exp_avg").shape == ()  # ... but the moment of a 0-d parameter a tensor
-    (group,) = ck.read("optim/param_groups")
-    assert group["params"] == names and group["lr"] == 0.005 and group["betas"] == [0.9, 0.999]
+    gid = ck.read(f"optim/group_of/{names[0]}")  # format 1.2: per-parameter group ids, one copy per group
+    assert [ck.read(f"optim/group_of/{n}") for n in names] == [gid] * len(names)
+    assert ck.read(f"optim/groups/{gid}/lr") == 0.005 and ck.read(f"optim/groups/{gid}/betas") == [0.9, 0.999]
+    assert not any(k.startswith("optim/groups/") and not k.startswith(f"optim/groups/{gid}/") for k in keys)
+    assert ck.read("optim/class") == type(opt).__name__ and ck.read("sched/class") == type(sched).__name__
     assert ck.read("model/_extra_state/calls") == 2
     assert ck.read("model/bn.num_batches_tracked").dtype == torch.int64
     assert ck.read("sched/last_epoch") == 2 and ck.read("sched/base_lrs") == [0.01]
@@ -182,8 +185,8 @@ def test_two_modules_one_optimizer(mem_url):
     opt.step()
     url = mem_url()
     tensorckpt.save({"nets": {"gen": gen, "disc": disc}, "optim": opt}, url)
-    (group,) = tensorckpt.open(url).read("optim/param_groups")
-    assert group["params"] == ["nets.gen.weight", "nets.gen.bias", "nets.disc.weight", "nets.disc.bias"]
+    stored = sorted(k.split("/")[2] for k in tensorckpt.open(url).keys() if k.startswith("optim/group_of/"))
+    assert stored == sorted(["nets.gen.weight", "nets.gen.bias", "nets.disc.weight", "nets.disc.bias"])
     gen2, disc2 = nn.Linear(3, 4), nn.Linear(4, 1)
     opt2 = torch.optim.Adam(itertools.chain(gen2.parameters(), disc2.parameters()), lr=0.5)
     tensorckpt.load({"nets": {"gen": gen2, "disc": disc2}, "optim": opt2}, url)
@@ -242,15 +245,22 @@ def test_parameter_name_mismatch_lists_the_names(mem_url):
 
 
 def test_parameter_grouping_mismatch(mem_url):
+    """Groups are matched per parameter (format 1.2): a group takes the
+    hyperparameters stored for its parameters, which must agree."""
     model, opt, sched = setup("adam", "step", seed=0)  # one group
     url = mem_url()
     tensorckpt.save({"model": model, "optim": opt}, url)
-    with pytest.raises(tensorckpt.IncompatibleStateError, match="'optim': the checkpoint has 1 param groups, the optim"):
+    with pytest.raises(tensorckpt.IncompatibleStateError, match="optimizer class 'Adam' there, but the state's optimizer is of class 'AdamW'"):
         tensorckpt.load({"model": model, "optim": make_optim("adamw", model)}, url)
+    names = [n for n, _ in model.named_parameters()]
+    regrouped = torch.optim.Adam([{"params": [model.get_parameter(n) for n in names[:3]], "lr": 0.5},
+                                  {"params": [model.get_parameter(n) for n in names[3:]], "lr": 0.7}])
+    tensorckpt.load({"model": model, "optim": regrouped}, url)
+    assert [g["lr"] for g in regrouped.param_groups] == [0.01, 0.01]
     tensorckpt.save({"model": model, "optim": make_optim("adamw", model)}, url, overwrite=True)
     swapped = torch.optim.AdamW([{"params": [model.scale, model.fc1.weight, model.fc2.weight, model.bn.weight]},
                                  {"params": [model.fc1.bias, model.bn.bias, model.fc2.bias]}])
-    msg = r"param group 0 differs: only in the checkpoint's: \[\]; only in the optimizer's: \['scale'\]"
+    msg = r"param group 0 of the optimizer holds 'scale' and 'fc1.weight', whose stored hyperparameters differ \('weight_decay'\)"
     with pytest.raises(tensorckpt.IncompatibleStateError, match=msg):
         tensorckpt.load({"model": model, "optim": swapped}, url)
 
@@ -311,9 +321,9 @@ def test_missing_object_in_checkpoint(mem_url):
     url = mem_url()
     tensorckpt.save({"model": model}, url)
     opt = torch.optim.Adam(model.parameters())
-    with pytest.raises(tensorckpt.IncompatibleStateError, match="missing in checkpoint: 'optim/param_groups'"):
+    with pytest.raises(tensorckpt.IncompatibleStateError, match="missing in checkpoint: 'optim/class'"):
         tensorckpt.load({"model": model, "optim": opt}, url)
-    with pytest.warns(UserWarning, match="optim/param_groups"):
+    with pytest.warns(UserWarning, match="optim/group_of/weight"):
         tensorckpt.load({"model": model, "optim": opt}, url, strict=False)
 
 

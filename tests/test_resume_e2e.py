@@ -300,7 +300,7 @@ def test_checkpoints_hold_the_training_state(runs):
     ck = tensorckpt.open(f"{runs['base']}/step-{FIRST_SAVE}")
     assert ck.metadata.world_size == 4
     keys = set(ck.keys())
-    assert {"step", "data/epoch", "data/world", "data/rank/3/consumed", "optim/param_groups", "sched/last_epoch",
+    assert {"step", "data/epoch", "data/world", "data/rank/3/consumed", "optim/class", "sched/last_epoch",
             "rng/torch", "rng/numpy", "rng/python", "model/0.weight", "optim/state/0.weight/exp_avg"} <= keys
     assert ck.read("step") == FIRST_SAVE and ck.read("sched/last_epoch") == FIRST_SAVE
     assert ck.read("data/world") == 4 and ck.read("data/epoch") == 0 and ck.read("data/segments") == []
@@ -445,35 +445,80 @@ def golden_objects():
 
 
 def test_golden_training_state_is_what_saving_the_objects_writes(golden_objects, tmp_path):
-    """The golden was written from the objects' plain state (expected.json
+    """The goldens were written from the objects' plain state (expected.json
     describes tensors and values, not objects); saving the objects themselves
-    writes the same keys, tensors and values. Members that torch defines and
-    may change between versions (a scheduler's private ``_`` members, an
-    optimizer's hyperparameters) are compared where both have them."""
+    writes the same keys, tensors and values: those of the 1.2 golden for the
+    model, optimizer and scheduler (the 1.1 golden holds their 1.1 layout),
+    those of the 1.1 golden for the sampler and generators. Members that torch
+    defines and may change between versions (a scheduler's private ``_``
+    members, an optimizer's hyperparameters, so the ids of their groups) are
+    compared where both have them."""
+    from conformance.make_golden import training_objects_1_2
+
     make, golden = golden_objects
     tensorckpt.save(make(), tmp_path / "objects")
-    want, got = tensorckpt.open(golden / "checkpoint"), tensorckpt.open(tmp_path / "objects")
+    tensorckpt.save(training_objects_1_2(), tmp_path / "objects_1_2")
+    old, new = tensorckpt.open(golden / "checkpoint"), tensorckpt.open(golden.parent / "training_state_1_2" / "checkpoint")
+    got, got_1_2 = tensorckpt.open(tmp_path / "objects"), tensorckpt.open(tmp_path / "objects_1_2")
 
-    def torch_private(key):
-        return key.startswith("sched/_")
+    def comparable(ck, key):
+        return not key.startswith("sched/_") and not key.startswith("optim/groups/") and (
+            ck is not old or not key.startswith(("model/", "optim/", "sched/")))
 
-    assert [k for k in got.keys() if not torch_private(k)] == [k for k in want.keys() if not torch_private(k)]
-    for key in set(want.keys()) & set(got.keys()):
-        a, b = got.read(key), want.read(key)
-        if isinstance(b, torch.Tensor):
-            # The training step is recomputed here: its float results depend on
-            # the CPU's vector path (1-2 ulp seen between two x86 machines), so
-            # floats are compared to a few ulp; everything else exactly.
-            assert got.info(key).dtype == want.info(key).dtype, key
-            if a.is_floating_point():
-                torch.testing.assert_close(a, b, rtol=1e-6, atol=0, msg=key)
+    def groups(ck) -> dict:  # {fqn: hyperparameters}
+        out = {}
+        for k in ck.keys():
+            if k.startswith("optim/group_of/"):
+                gid = ck.read(k)
+                out[k.split("/")[2]] = {g.split("/")[3]: ck.read(g) for g in ck.keys() if g.startswith(f"optim/groups/{gid}/")}
+        return out
+
+    for want, have in ((old, got), (new, got_1_2), (new, got)):
+        keys = [k for k in want.keys() if comparable(want, k) and not (have is got and k.startswith("tied/"))]
+        assert keys and all(k in have.keys() for k in keys)
+        for key in keys:
+            a, b = have.read(key), want.read(key)
+            if isinstance(b, torch.Tensor):  # training recomputed here: floats to a few ulp (see below)
+                assert have.info(key).dtype == want.info(key).dtype, key
+                if a.is_floating_point():
+                    _close(a, b, key)
+                else:
+                    assert torch.equal(a, b), key
             else:
-                assert torch.equal(a, b), key
-        elif key == "optim/param_groups":
-            assert len(a) == len(b) and all(g["params"] == h["params"] for g, h in zip(a, b))
-            assert all(g[m] == h[m] for g, h in zip(a, b) for m in g.keys() & h.keys()), key
-        else:
-            assert a == b, key
+                assert a == b, key
+    assert [k for k in got_1_2.keys() if comparable(new, k)] == [k for k in new.keys() if comparable(new, k)]
+    mine, theirs = groups(got_1_2), groups(new)
+    assert sorted(mine) == sorted(theirs) == ["0.bias", "0.weight", "2.bias", "2.weight"]
+    assert all(mine[f][m] == theirs[f][m] for f in mine for m in mine[f].keys() & theirs[f].keys())
+    assert new.read("tied/head.weight/tied_to") == "embed.weight" and "tied/head.weight" not in new.keys()
+
+
+def test_golden_training_state_1_2_loads_into_objects(golden_objects):
+    """The 1.2 golden loads into fresh objects (an AdamW without state), its
+    tied weight into a model that ties it and one that does not."""
+    from conformance.make_golden import TiedLM, training_objects_1_2
+
+    _, golden = golden_objects
+    original = training_objects_1_2()
+    torch.manual_seed(99)
+    model = nn.Sequential(nn.Linear(3, 2), nn.Tanh(), nn.Linear(2, 2))
+    opt = torch.optim.AdamW(model.parameters(), lr=0.5, weight_decay=0.25)
+    sched = torch.optim.lr_scheduler.MultiStepLR(opt, milestones=[2, 4], gamma=0.5)
+    tied, untied = TiedLM(), TiedLM()
+    untied.head.weight = nn.Parameter(torch.zeros(3, 2))
+    for target in (tied, untied):
+        with torch.no_grad():
+            target.embed.weight.zero_()
+        st = {"model": model, "optim": opt, "sched": sched, "tied": target, "step": 0}
+        tensorckpt.load(st, golden.parent / "training_state_1_2" / "checkpoint")
+        assert st["step"] == 2 and sched.last_epoch == 2 and opt.param_groups[0]["lr"] == 0.25
+        for (name, p), q in zip(model.named_parameters(), original["model"].parameters()):
+            _close(p, q, name)  # ``original`` recomputes the golden's training: a few ulp
+            for m in ("exp_avg", "exp_avg_sq", "step"):
+                _close(opt.state[p][m], original["optim"].state[q][m], f"{name}/{m}")
+        assert torch.equal(target.embed.weight, original["tied"].embed.weight)
+        assert torch.equal(target.head.weight, original["tied"].embed.weight)
+    assert tied.head.weight is tied.embed.weight and untied.head.weight is not untied.embed.weight
 
 
 def test_golden_training_state_loads_into_objects_and_resumes_exactly(golden_objects):

@@ -415,3 +415,47 @@ def test_broken_training_state_fails(name):
     assert _errors(_ts(kind), doc) == []
     mutate(doc)
     assert _errors(_ts(kind), doc), f"{name}: accepted"
+
+
+# ----------------------------------------- the 1.2 training-state layout (training-state.md 3.3, 4.2, 5)
+
+GOLDEN_TS_1_2 = SPEC.parent / "conformance" / "golden" / "v1" / "training_state_1_2" / "checkpoint" / "zarr.json"
+
+
+def _golden_1_2_optimizer() -> dict:
+    return _under(json.loads(GOLDEN_TS_1_2.read_bytes())["attributes"]["tensorckpt"], "optim", "values")
+
+
+def test_training_state_1_2_golden_conforms():
+    doc = json.loads(GOLDEN_TS_1_2.read_bytes())
+    assert _errors(ROOT, doc) == []
+    meta = doc["attributes"]["tensorckpt"]
+    assert meta["format_version"] == "1.2"
+    opt = _under(meta, "optim", "values")
+    assert _errors(_ts("optimizerValues12"), opt) == [] and _errors(_ts("optimizerValues"), opt) == []
+    assert _errors(_ts("optimizerTensors"), _under(meta, "optim", "tensors")) == []
+    assert _errors(_ts("schedulerClass"), meta["values"]["sched/class"]) == []
+    assert _errors(_ts("tiedTo"), meta["values"]["tied/head.weight/tied_to"]) == []
+    assert "tied/head.weight" not in meta["tensors"]
+
+
+def _first_group_key(v: dict) -> str:
+    return next(k for k in sorted(v) if k.startswith("groups/"))
+
+
+BROKEN_OPTIMIZER_1_2 = {
+    "no class": lambda v: v.pop("class"),
+    "group id not hex": lambda v: v.update({"group_of/0.bias": "G1"}),
+    "group id an integer": lambda v: v.update({"group_of/0.bias": 0}),
+    "param_groups next to the 1.2 keys": lambda v: v.update(param_groups=[{"params": ["0.bias"]}]),
+    "groups/<id> value not {}": lambda v: v.update({_first_group_key(v).rsplit("/", 1)[0]: {"lr": 1}}),
+    "hyperparameter nested below its name": lambda v: v.update({_first_group_key(v) + "/x": 1}),
+}
+
+
+@pytest.mark.parametrize("name", sorted(BROKEN_OPTIMIZER_1_2))
+def test_broken_optimizer_1_2_fails(name):
+    doc = _golden_1_2_optimizer()
+    assert _errors(_ts("optimizerValues"), doc) == []
+    BROKEN_OPTIMIZER_1_2[name](doc)
+    assert _errors(_ts("optimizerValues"), doc), f"{name}: accepted"

@@ -9,12 +9,22 @@ Keys of different stages are then disjoint, so a PP=4 checkpoint loads at PP=2
 
     first = stage_offset(num_layers, pp_size, pp_rank)
     tensorckpt.save({"model": shift_layers(model.state_dict(), first)}, path, ...)
+
+Given the module itself, :func:`shift_layers` returns it under the global
+names; an optimizer of the stage's parameters next to it in the state is then
+keyed by those names too, so its state reshards across stages the same way:
+
+    state = {"model": shift_layers(model, first), "optim": optimizer}
 """
 
 from __future__ import annotations
 
 import re
 from collections.abc import Mapping
+
+import torch
+
+from .names import Renamed
 
 
 def stage_offset(num_layers: int, pp_size: int, pp_rank: int) -> int:
@@ -26,14 +36,19 @@ def stage_offset(num_layers: int, pp_size: int, pp_rank: int) -> int:
     return pp_rank * base + min(pp_rank, extra)
 
 
-def shift_layers(state: Mapping, offset: int, *, prefix: str = "layers") -> dict:
+def shift_layers(state, offset: int, *, prefix: str = "layers"):
     """A new (nested) dict whose keys ``...{prefix}.{i}...`` read
     ``{prefix}.{i + offset}``; values are shared, not copied, so loading into
-    the result fills the original tensors in place."""
+    the result fills the original tensors in place. For a ``torch.nn.Module``,
+    the module seen under those names (a :class:`~tensorckpt.adapters.names.Renamed`),
+    for saving and loading it and an optimizer of its parameters."""
     pattern = re.compile(rf"(^|\.){re.escape(prefix)}\.(\d+)(?=\.|$)")
 
     def rename(key: str) -> str:
         return pattern.sub(lambda m: f"{m.group(1)}{prefix}.{int(m.group(2)) + offset}", key, count=1)
+
+    if isinstance(state, torch.nn.Module):
+        return Renamed(state, rename)
 
     out = {}
     for k, v in state.items():

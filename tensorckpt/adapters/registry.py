@@ -29,7 +29,7 @@ from .sharded import is_tensor_leaf
 class Context:
     """What an adapter may look at besides its object: the whole state (an
     optimizer finds its parameters' names in the modules beside it), and this
-    process's rank and world size."""
+    process's rank and world size; for a load, its ``strict`` and ``partial``."""
 
     state: Mapping
     rank: int = 0
@@ -141,10 +141,17 @@ def for_load(
 
 
 def _objects(node: Mapping, prefix: tuple[str, ...]) -> list[tuple[tuple[str, ...], object, Adapter]]:
+    """The adapted objects of the tree, sorted by key path: objects whose
+    ``state_dict()`` / ``load_state_dict()`` run collectives must be handled
+    in the same order on every rank, whatever the order of each rank's dicts."""
+    return sorted(_find(node, prefix), key=lambda found: tuple(map(str, found[0])))
+
+
+def _find(node: Mapping, prefix: tuple[str, ...]) -> list[tuple[tuple[str, ...], object, Adapter]]:
     found = []
     for name, value in node.items():
         if isinstance(value, Mapping):
-            found += _objects(value, prefix + (name,))
+            found += _find(value, prefix + (name,))
         else:
             adapter = adapter_for(value)
             if adapter is not None:
@@ -195,5 +202,8 @@ def _load_builtins() -> None:
     if _BUILTINS_LOADED:
         return
     _BUILTINS_LOADED = True
-    from . import torch_objects  # noqa: F401  (Module, Optimizer, LRScheduler)
-    from . import rng  # noqa: F401  (rng_state())
+    from . import (
+        optimizer,  # noqa: F401  (Optimizer)
+        rng,  # noqa: F401  (rng_state())
+        torch_objects,  # noqa: F401  (Module, LRScheduler)
+    )

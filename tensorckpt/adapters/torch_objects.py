@@ -1,30 +1,16 @@
-"""Built-in adapters for torch objects: ``nn.Module``, ``optim.Optimizer``,
-``optim.lr_scheduler.LRScheduler`` (spec: training-state.md).
+"""Built-in adapters for torch objects: ``nn.Module`` and
+``optim.lr_scheduler.LRScheduler`` (spec: training-state.md); the optimizer's
+is in :mod:`.optimizer`.
 
-Keys under each object's own key (``model``, ``optim``, ``sched`` here)::
+Keys under each object's own key (``model``, ``sched`` here)::
 
-    model/<fqn>                   the module's state_dict (DTensors under FSDP2)
+    model/<fqn>                   the module's state_dict (DTensors under FSDP2),
+                                  by canonical name (no wrapper prefixes)
+    model/<fqn>/tied_to           instead of model/<fqn>: the name of the
+                                  tensor it is (tied weights are stored once)
     model/<prefix>_extra_state    get_extra_state(): tensors and JSON data
-    optim/state/<fqn>/<name>      per-parameter state, by the parameter's FQN
-    optim/param_groups            JSON: hyperparameters, "params" as FQN lists
+    sched/class                   the scheduler's class name
     sched/<member>                the scheduler's state_dict (functions left out)
-
-Design decisions:
-
-- Optimizer state is keyed by parameter name, never by torch's integer ids,
-  so a checkpoint means the same thing to any model built the same way. The
-  names come from the ``nn.Module`` (s) found in the same state as the
-  optimizer.
-- A state tensor of its parameter's shape (Adam's moments, SGD's momentum) is
-  a logical tensor laid out like the parameter (a DTensor shard under FSDP2),
-  so it reshards with it. Another 0-d tensor (Adam's ``step``) is stored as a
-  JSON number: as a tensor it would add one tiny array per parameter to the
-  checkpoint. Loading makes it a tensor again (like the optimizer's own
-  entry, or through the optimizer's ``load_state_dict``, which turns a number
-  ``step`` into its tensor for torch's optimizers).
-- Loading into an optimizer without state creates its state tensors from the
-  checkpoint's entries and hands them to ``load_state_dict``: no optimizer
-  step is taken, the parameters are untouched.
 """
 
 from __future__ import annotations
@@ -34,7 +20,6 @@ import functools
 import math
 import types
 from collections.abc import Callable, Mapping
-from itertools import chain
 
 import torch
 
@@ -43,11 +28,14 @@ from ..format import dtypes
 from ..format.keys import split_flat_key
 from ..format.metadata import TensorEntry, check_value
 from . import meta
+from .names import Renamed, identity, module_of, stored_names
 from .registry import Context, Stored, register
 from .sharded import is_tensor_leaf
 from .state import set_leaf
 
 EXTRA_STATE = "_extra_state"  # torch.nn.Module's suffix for get_extra_state() keys
+TIED_TO = "tied_to"  # K/<fqn>/tied_to: <fqn> is the tensor stored as K/<that name>
+CLASS = "class"  # K/class: an optimizer's or scheduler's class name (format 1.2)
 _FUNCTIONS = (types.FunctionType, types.MethodType, types.BuiltinFunctionType, functools.partial)
 
 
@@ -55,22 +43,69 @@ _FUNCTIONS = (types.FunctionType, types.MethodType, types.BuiltinFunctionType, f
 
 
 class ModuleAdapter:
-    """``state_dict()`` as is; ``load_state_dict()`` after the tensors were
-    read in place (the module's own load hooks and ``set_extra_state`` run)."""
+    """``state_dict()`` under canonical names, a tensor tied to an earlier one
+    as its name; ``load_state_dict()`` after the tensors were read in place
+    (the module's own load hooks and ``set_extra_state`` run). Also for a
+    :class:`~.names.Renamed` module."""
 
-    def save_state(self, module, ctx):
-        state = module.state_dict()
-        for key, value in state.items():
+    def save_state(self, obj, ctx):
+        own = module_of(obj).state_dict()
+        names = stored_names(obj, own, where_in(obj, ctx))
+        out, first = {}, {}
+        for name, key in names.items():
+            value = own[key]
             if key.endswith(EXTRA_STATE):
-                _check_extra_state(value, f"{_where(module, ctx)}/{key}", key[: -len(EXTRA_STATE)].rstrip("."))
-        return state
+                _check_extra_state(value, f"{where_in(obj, ctx)}/{key}", key[: -len(EXTRA_STATE)].rstrip("."))
+            elif isinstance(value, torch.Tensor) and (ident := identity(value)) is not None:
+                if ident in first:
+                    out[name] = {TIED_TO: first[ident]}
+                    continue
+                first[ident] = name
+            out[name] = value
+        return out
 
-    def load_target(self, module, stored, ctx):
-        return meta.materialized(module.state_dict())  # tensors on meta: new ones to read into
+    def load_target(self, obj, stored, ctx):
+        own = meta.materialized(module_of(obj).state_dict())  # tensors on meta: new ones to read into
+        return {name: ({TIED_TO: tie} if (tie := _tie(stored, name)) is not None else own[key])
+                for name, key in _load_names(obj, own, stored, ctx).items()}
 
-    def apply(self, module, loaded, ctx):
-        with meta.assigning(module, lambda: _where(module, ctx)) as assign:  # modules built on meta
-            module.load_state_dict(loaded, assign=assign)
+    def apply(self, obj, loaded, ctx):
+        module = module_of(obj)
+        names = _load_names(obj, module.state_dict(), loaded, ctx)
+        out = {}
+        for name, key in names.items():
+            value = loaded[name]
+            if isinstance(value, Mapping) and set(value) == {TIED_TO} and not key.endswith(EXTRA_STATE):
+                source = value[TIED_TO]
+                if source not in loaded or not isinstance(loaded[source], torch.Tensor):
+                    raise IncompatibleStateError(
+                        f"{where_in(obj, ctx)}/{name}: stored as tied to {source!r}, which is not a tensor of "
+                        "the module; load into a model built as when saving"
+                    )
+                value = loaded[source]  # the tensor read for its source: filled into both
+            out[key] = value
+        with meta.assigning(module, lambda: where_in(obj, ctx)) as assign:  # modules built on meta
+            module.load_state_dict(out, assign=assign)
+
+
+def _load_names(obj, own: Mapping, stored: Stored | Mapping, ctx: Context) -> dict[str, str]:
+    """``{name in the plain state: the module's own key}``: the canonical
+    name, or the module's own key where only that is stored (a checkpoint
+    written before names were canonical, e.g. with DDP's ``module.``).
+    ``stored``: what the checkpoint holds, or the loaded plain state."""
+    names = stored_names(obj, own, where_in(obj, ctx))
+    if all(key == name for name, key in names.items()):
+        return names
+    if isinstance(stored, Stored):
+        held = {split_flat_key(k)[0] for k in (*stored.tensors, *stored.values)}
+    else:
+        held = set(stored)
+    return {(key if key != name and name not in held and key in held else name): key for name, key in names.items()}
+
+
+def _tie(stored: Stored, name: str) -> str | None:
+    tie = stored.values.get(f"{name}/{TIED_TO}")
+    return tie if isinstance(tie, str) and name not in stored.tensors else None
 
 
 def _check_extra_state(value, key: str, owner: str) -> None:
@@ -91,163 +126,6 @@ def _check_extra_state(value, key: str, owner: str) -> None:
         ) from None
 
 
-# --------------------------------------------------------------- optimizers
-
-
-class OptimizerAdapter:
-    """``{"state": {fqn: {name: value}}, "param_groups": [...]}``."""
-
-    def save_state(self, opt, ctx):
-        groups = _named_groups(opt, ctx)
-        state = {}
-        for fqn, p in chain.from_iterable(groups):
-            if opt.state.get(p):
-                for k, v in opt.state[p].items():
-                    if isinstance(v, Mapping) and any(isinstance(x, torch.Tensor) for x in _leaves(v)):
-                        raise UnsupportedValueError(
-                            f"optimizer state {fqn!r}/{k!r} is a dict holding tensors; the spec stores each state "
-                            "entry as one tensor or one JSON value (spec/training-state.md 4.2). Flatten it into "
-                            "separate entries, or register an adapter for this optimizer"
-                        )
-                state[fqn] = {k: _scalar_as_data(v, p) for k, v in opt.state[p].items()}
-        param_groups = [
-            {**{k: _scalar_as_data(v) for k, v in g.items() if k not in ("params", "param_names")},
-             "params": [fqn for fqn, _ in named]}
-            for g, named in zip(opt.param_groups, groups)
-        ]
-        return {"state": state, "param_groups": param_groups}
-
-    def load_target(self, opt, stored, ctx):
-        if not stored.tensors and not stored.values:  # nothing stored: load reports the keys missing
-            return self.save_state(opt, ctx)
-        groups = _named_groups(opt, ctx)
-        _check_names(groups, stored, _where(opt, ctx))
-        params = dict(chain.from_iterable(groups))
-
-        def target(path, entry):
-            if len(path) == 3 and path[0] == "state":
-                return _state_target(opt, params[path[1]], path[2], entry, path)
-            return None  # not ours: load reports it
-
-        return _tree(stored, target)
-
-    def apply(self, opt, loaded, ctx):
-        groups = _named_groups(opt, ctx)
-        ids = {fqn: i for i, (fqn, _) in enumerate(chain.from_iterable(groups))}
-        params = dict(chain.from_iterable(groups))
-        state = {}
-        for fqn, entries in loaded.get("state", {}).items():
-            current = opt.state.get(params[fqn], {})
-            state[ids[fqn]] = {k: _like(v, current.get(k)) for k, v in entries.items()}
-        param_groups = [
-            {**{k: _like(v, g.get(k)) for k, v in saved.items() if k != "params"},
-             "params": [ids[fqn] for fqn, _ in named]}  # the optimizer's own order; state is by id
-            for g, saved, named in zip(opt.param_groups, loaded["param_groups"], groups)
-        ]
-        opt.load_state_dict({"state": state, "param_groups": param_groups})
-
-
-def _named_groups(opt, ctx: Context) -> list[list[tuple[str, torch.Tensor]]]:
-    """The optimizer's param groups as (FQN, parameter) lists. A parameter's
-    FQN is its name in the first module of the state that has it; when the
-    optimizer's parameters come from several modules, the name is prefixed
-    with the module's key path (``gen.fc.weight``)."""
-    owners: dict[int, tuple[tuple[str, ...], str]] = {}
-    for path, module in _modules(ctx.state, ()):
-        for name, p in module.named_parameters():
-            owners.setdefault(id(p), (path, name))
-    for i, g in enumerate(opt.param_groups):
-        for j, p in enumerate(g["params"]):
-            if id(p) not in owners:
-                where = _where(opt, ctx)
-                raise UnsupportedValueError(
-                    f"{where!r}: parameter {j} of param group {i} (shape {list(p.shape)}) belongs to no "
-                    "torch.nn.Module in the state; optimizer state is keyed by parameter name, so put the model "
-                    "(the nn.Module itself, not its state_dict()) in the same state dict, e.g. "
-                    f"{{'model': model, {where.split('/')[-1]!r}: optimizer}}"
-                )
-    several = len({owners[id(p)][0] for g in opt.param_groups for p in g["params"]}) > 1
-
-    def fqn(p) -> str:
-        path, name = owners[id(p)]
-        return ".".join(path + (name,)) if several else name
-
-    return [[(fqn(p), p) for p in g["params"]] for g in opt.param_groups]
-
-
-def _check_names(groups, stored: Stored, where: str) -> None:
-    saved = stored.values.get("param_groups")
-    if not isinstance(saved, list) or not all(isinstance(g, dict) and isinstance(g.get("params"), list) for g in saved):
-        raise IncompatibleStateError(
-            f"{where!r}: the checkpoint holds no optimizer state there (no valid 'param_groups' list); "
-            f"it holds {_names(sorted([*stored.tensors, *stored.values]))}"
-        )
-    mine = [[fqn for fqn, _ in g] for g in groups]
-    theirs = [g["params"] for g in saved]
-    with_state = {split_flat_key(k)[1] for k in [*stored.tensors, *stored.values] if k.startswith("state/")}
-    only_ckpt = sorted((set(chain.from_iterable(theirs)) | with_state) - set(chain.from_iterable(mine)))
-    only_opt = sorted(set(chain.from_iterable(mine)) - set(chain.from_iterable(theirs)))
-    if only_ckpt or only_opt:
-        raise IncompatibleStateError(
-            f"{where!r}: the optimizer's parameter names differ from the checkpoint's: only in the checkpoint: "
-            f"{_names(only_ckpt)}; only in the optimizer: {_names(only_opt)}. Names are FQNs in the module(s) "
-            "next to the optimizer in the state; build the model and optimizer as when saving"
-        )
-    if len(mine) != len(theirs):
-        raise IncompatibleStateError(
-            f"{where!r}: the checkpoint has {len(theirs)} param groups, the optimizer {len(mine)}"
-        )
-    for i, (a, b) in enumerate(zip(mine, theirs)):
-        if set(a) != set(b):
-            raise IncompatibleStateError(
-                f"{where!r}: param group {i} differs: only in the checkpoint's: {_names(sorted(set(b) - set(a)))}; "
-                f"only in the optimizer's: {_names(sorted(set(a) - set(b)))}"
-            )
-
-
-def _state_target(opt, p: torch.Tensor, name: str, entry: TensorEntry, path) -> torch.Tensor:
-    """Where to read ``state/<fqn>/<name>``: the optimizer's own tensor when it
-    matches, else a new one, laid out like the parameter when of its shape."""
-    dtype = _dtype(entry, path)
-    current = opt.state.get(p, {}).get(name)
-    if isinstance(current, torch.Tensor) and tuple(current.shape) == entry.shape and current.dtype == dtype:
-        return current
-    if entry.shape == tuple(p.shape):
-        return torch.zeros_like(p.detach(), dtype=dtype)  # a DTensor shard for a DTensor parameter
-    return torch.zeros(entry.shape, dtype=dtype, device=p.device)
-
-
-def _leaves(value):
-    if isinstance(value, Mapping):
-        for v in value.values():
-            yield from _leaves(v)
-    elif isinstance(value, (list, tuple)):
-        for v in value:
-            yield from _leaves(v)
-    else:
-        yield value
-
-
-def _scalar_as_data(value, p: torch.Tensor | None = None):
-    """A real 0-d tensor as a number (unless its parameter is 0-d too, or the
-    number is not finite); anything else unchanged."""
-    if isinstance(value, torch.Tensor) and value.dim() == 0 and (p is None or p.dim() > 0) and not value.is_complex():
-        number = value.item()
-        if not isinstance(number, float) or math.isfinite(number):
-            return number
-    return value
-
-
-def _like(value, current):
-    """``value`` as loaded, turned back into ``current``'s kind: a 0-d tensor
-    of its dtype and device for a number, a tuple for a list."""
-    if isinstance(current, torch.Tensor) and isinstance(value, (bool, int, float)):
-        return torch.tensor(value, dtype=current.dtype, device=current.device)
-    if isinstance(current, tuple) and isinstance(value, list):
-        return tuple(value)
-    return value
-
-
 # --------------------------------------------------------------- schedulers
 
 
@@ -258,15 +136,23 @@ class SchedulerAdapter:
     non-str keys (``MultiStepLR``'s ``milestones``) becomes [key, value] pairs."""
 
     def save_state(self, sched, ctx):
-        return _encode(sched.state_dict(), _where(sched, ctx), type(sched).__name__)
+        where = where_in(sched, ctx)
+        members = sched.state_dict()
+        if CLASS in members:
+            raise UnsupportedValueError(
+                f"{where!r}: the {type(sched).__name__} scheduler's state_dict() has a member {CLASS!r}, the key "
+                "tensorckpt stores the class name under; rename the member or register an adapter for it"
+            )
+        return {CLASS: type(sched).__name__, **_encode(members, where, type(sched).__name__)}
 
     def load_target(self, sched, stored, ctx):
         if not stored.tensors and not stored.values:
             return self.save_state(sched, ctx)
-        return _tree(stored, lambda path, e: torch.empty(e.shape, dtype=_dtype(e, path)))
+        check_class(sched, stored, where_in(sched, ctx), "LR scheduler")
+        return tree(stored, lambda path, e: torch.empty(e.shape, dtype=dtype_of(e, path)))
 
     def apply(self, sched, loaded, ctx):
-        sched.load_state_dict(_decode(loaded, sched.state_dict()))
+        sched.load_state_dict(_decode({k: v for k, v in loaded.items() if k != CLASS}, sched.state_dict()))
 
 
 def _encode(members: Mapping, where: str, kind: str) -> dict:
@@ -316,9 +202,10 @@ def _decode(loaded: Mapping, current) -> dict:
 # ------------------------------------------------------------------ helpers
 
 
-def _tree(stored: Stored, tensor_for: Callable[[tuple, TensorEntry], torch.Tensor | None]) -> dict:
+def tree(stored: Stored, tensor_for: Callable[[tuple, TensorEntry], object]) -> dict:
     """A plain target shaped like what is stored: each value as a placeholder
-    (load replaces it), each tensor from ``tensor_for(path, entry)``."""
+    (load replaces it), each tensor from ``tensor_for(path, entry)`` (left
+    out where it returns None)."""
     tree: dict = {}
     for key, value in stored.values.items():
         set_leaf(tree, split_flat_key(key), value)
@@ -330,19 +217,11 @@ def _tree(stored: Stored, tensor_for: Callable[[tuple, TensorEntry], torch.Tenso
     return tree
 
 
-def _dtype(entry: TensorEntry, path: tuple[str, ...]) -> torch.dtype:
+def dtype_of(entry: TensorEntry, path: tuple[str, ...]) -> torch.dtype:
     return dtypes.torch_dtype(dtypes.for_name(entry.dtype, "/".join(path)))
 
 
-def _modules(node: Mapping, prefix: tuple[str, ...]):
-    for name, value in node.items():
-        if isinstance(value, torch.nn.Module):
-            yield prefix + (name,), value
-        elif isinstance(value, Mapping):
-            yield from _modules(value, prefix + (name,))
-
-
-def _where(obj, ctx: Context) -> str:
+def where_in(obj, ctx: Context) -> str:
     """The key path of ``obj`` in the state, for messages."""
 
     def find(node: Mapping, prefix: tuple[str, ...]):
@@ -357,11 +236,23 @@ def _where(obj, ctx: Context) -> str:
     return "/".join(path) if path else type(obj).__name__
 
 
-def _names(names: list[str], limit: int = 20) -> str:
+def names_list(names: list[str], limit: int = 20) -> str:
     shown = ", ".join(repr(n) for n in names[:limit])
     return "[" + shown + (f" and {len(names) - limit} more" if len(names) > limit else "") + "]"
 
 
-register(torch.nn.Module, ModuleAdapter())
-register(torch.optim.Optimizer, OptimizerAdapter())
+def check_class(obj, stored: Stored, where: str, kind: str) -> None:
+    """A stored class name (``K/class``, format 1.2) must be ``obj``'s:
+    another optimizer's or scheduler's state would load wrongly or fail deep
+    inside torch. Checkpoints without one (format 1.0/1.1) are not checked."""
+    saved = stored.values.get(CLASS)
+    if saved is not None and saved != type(obj).__name__:
+        raise IncompatibleStateError(
+            f"{where!r}: the checkpoint holds the state of {kind} class {saved!r} there, but the state's {kind} "
+            f"is of class {type(obj).__name__!r}; build the {kind} as when saving (a {saved}), or leave {where!r} "
+            "out of the state"
+        )
+
+
+register((torch.nn.Module, Renamed), ModuleAdapter())
 register(torch.optim.lr_scheduler.LRScheduler, SchedulerAdapter())

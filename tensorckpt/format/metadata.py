@@ -20,7 +20,7 @@ from . import dtypes as _dtypes
 from .keys import split_flat_key
 
 FORMAT_MAJOR = 1
-FORMAT_MINOR = 1
+FORMAT_MINOR = 2
 FORMAT_VERSION = f"{FORMAT_MAJOR}.{FORMAT_MINOR}"
 ATTRIBUTE = "tensorckpt"  # member of the root group's attributes
 KNOWN_EXTENSIONS: frozenset[str] = frozenset()  # extensions this reader implements

@@ -313,7 +313,7 @@ def merge_values(plans: list[LocalPlan]) -> dict:
         for k, v in p.values.items():
             if k not in holder:
                 values[k], holder[k] = v, p.rank
-            elif v != values[k]:
+            elif v != values[k] or type(v) is not type(values[k]):  # 1 == 1.0 == True
                 differ.setdefault(k, []).append(p.rank)
     if differ:
         keys = sorted(differ)
@@ -326,8 +326,9 @@ def merge_values(plans: list[LocalPlan]) -> dict:
         raise IncompatibleStateError(
             f"values differ across the ranks that hold them (a value is stored once): {shown}"
             + (f" and {len(keys) - 5} more keys" if len(keys) > 5 else "")
-            + ". Nothing was written. Give every rank the same value, or wrap per-rank data in "
-            "tensorckpt.per_rank(value) (stored as one row per rank)"
+            + ". Nothing was written. Give every rank the same value, give what differs per rank distinct "
+            "keys (e.g. a layer or expert number in the name, see tensorckpt.shift_layers), or wrap per-rank "
+            "data in tensorckpt.per_rank(value) (stored as one row per rank)"
         )
     return values
 
