@@ -37,6 +37,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import warnings
 from collections.abc import Mapping
 from itertools import chain
 
@@ -191,6 +192,9 @@ def _check_names(opt, groups, hparams: dict, with_state: set, ctx: Context, wher
             "module(s) next to the optimizer in the state; build the model and optimizer as when saving, or "
             "pass strict=False to load the parameters both have"
         )
+    if only_opt:
+        warnings.warn(f"{where!r}: no optimizer state stored for {names_list(only_opt)}: kept as it is (strict=False)",
+                      stacklevel=6)
     params = dict(chain.from_iterable(groups))
     lacking = sorted(f for f in mine if f in theirs and f not in with_state and opt.state.get(params[f]))
     if lacking and ctx.strict:
@@ -198,6 +202,9 @@ def _check_names(opt, groups, hparams: dict, with_state: set, ctx: Context, wher
             f"{where!r}: the optimizer has state for {names_list(lacking)}, the checkpoint has none for them (they "
             "had no state when it was saved); loading would drop it. Pass strict=False to keep it"
         )
+    if lacking:
+        warnings.warn(f"{where!r}: the checkpoint has no state for {names_list(lacking)}: the optimizer's own is "
+                      "kept (strict=False)", stacklevel=6)
     for i, named in enumerate(groups):
         seen: dict[str, str] = {}
         for fqn, _ in named:
