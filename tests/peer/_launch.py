@@ -39,7 +39,6 @@ def _worker(rank: int, world: int, port: int, phase: str, base: str, queue) -> N
 
         torch.set_num_threads(1)
         import logging
-
         import warnings
 
         logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)

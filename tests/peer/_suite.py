@@ -75,7 +75,7 @@ def reraise(name: str, record: tuple, rank: int) -> None:
     """Raise a recorded scenario error in the parent, as its own class where
     that is a tensorckpt error or a builtin (so ``xfail(raises=...)`` checks
     the kind of failure)."""
-    import tensorckpt.errors as errors
+    from tensorckpt import errors
 
     _, cls_name, msg, tb = record
     cls = getattr(errors, cls_name, None) or getattr(builtins, cls_name, None)
@@ -125,6 +125,42 @@ def optim_values(model, opt) -> dict[str, object]:
             elif isinstance(v, (int, float, bool, str, type(None))):
                 out[f"group{i}/{k}"] = v
     return out
+
+
+ITEM_STRIDED = "issue 11 item 1: FSDP2 over TP (_StridedShard placements)"
+ITEM_PER_RANK_OPTIM = "issue 11 item 2: optimizers whose parameters differ per rank (EP/PP)"
+ITEM_META = "issue 11 item 3: loading into a meta-device model"
+ITEM_PREFIX = "issue 11 item 4: activation-checkpoint / DDP / compile wrapper prefixes"
+ITEM_LEGACY = "issue 11 item 5: legacy torch ShardedTensor"
+ITEM_EVERY_RANK = "issue 11 item 6: failures raised on every rank"
+ITEM_CAST = "issue 11 item 7: load(..., cast=True)"
+ITEM_PARTIAL = "issue 11 item 8: load(..., partial=True)"
+
+
+def fsdp2(model, m, children: bool = True, **kw):
+    from torch.distributed.fsdp import fully_shard
+
+    if children:
+        for child in model.children():
+            if any(True for _ in child.parameters()):
+                fully_shard(child, mesh=m, **kw)
+    fully_shard(model, mesh=m, **kw)
+    return model
+
+
+def same(a: dict, b: dict, where: str = "") -> None:
+    assert sorted(a) == sorted(b), (where, sorted(set(a) ^ set(b)))
+    for k in a:
+        if isinstance(a[k], np.ndarray):
+            assert a[k].dtype == b[k].dtype and np.array_equal(a[k], b[k]), f"{where}: {k}"
+        else:
+            assert a[k] == b[k], f"{where}: {k}: {a[k]!r} != {b[k]!r}"
+
+
+def materialized(model) -> dict:
+    """The devices of the model's parameters, and its values once none is on meta."""
+    devices = sorted({p.device.type for p in model.parameters()})
+    return {"devices": devices, "loaded": model_values(model) if "meta" not in devices else {}}
 
 
 def path(base: str, name: str) -> str:

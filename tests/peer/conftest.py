@@ -13,8 +13,8 @@ _HERE = os.path.dirname(os.path.abspath(__file__))
 if _HERE not in sys.path:
     sys.path.insert(0, _HERE)
 
-import _launch  # noqa: E402
-import _suite  # noqa: E402
+import _launch
+import _suite
 
 
 class Results:

@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import numpy as np
 import torch
+from _suite import full, mesh, model_values, path, scenario
 from torch import nn
 
 import tensorckpt
-from _suite import full, mesh, model_values, path, scenario
 
 # DCP's layouts (test_dtensor_resharding.py ONE_D_PLACEMENTS / TWO_D_PLACEMENTS), by name
 ONE_D = ("S0", "R")
@@ -184,7 +184,11 @@ class MLP(nn.Module):
 
 
 def tp_mlp(world: int, seed: int = 5) -> nn.Module:
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
 
     return parallelize_module(MLP(seed), mesh((world,)), {"net1": ColwiseParallel(), "net2": RowwiseParallel()})
 

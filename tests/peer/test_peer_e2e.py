@@ -12,12 +12,10 @@ import warnings
 import numpy as np
 import pytest
 import torch
+from _suite import ITEM_PARTIAL, mesh, model_values, optim_values, path, scenario
 from torch import nn
 
 import tensorckpt
-from _suite import FULL, mesh, model_values, optim_values, path, scenario
-
-ITEM_PARTIAL = "issue 11 item 8: load(..., partial=True)"
 
 
 class Dummy(nn.Module):

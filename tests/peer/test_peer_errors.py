@@ -12,12 +12,9 @@ import os
 
 import pytest
 import torch
+from _suite import ITEM_EVERY_RANK, ITEM_LEGACY, path, scenario
 
 import tensorckpt
-from _suite import path, scenario
-
-ITEM_EVERY_RANK = "issue 11 item 6: failures raised on every rank"
-ITEM_LEGACY = "issue 11 item 5: legacy torch ShardedTensor"
 
 
 def _state():

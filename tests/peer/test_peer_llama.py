@@ -20,11 +20,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from _suite import ITEM_STRIDED, mesh, path, scenario
 
 import tensorckpt
-from _suite import mesh, path, scenario
 
-ITEM_STRIDED = "issue 11 item 1: FSDP2 over TP (_StridedShard placements)"
 STEPS, MORE, BATCH, SEQ = 3, 2, 4, 16
 RTOL = 2e-5
 
@@ -65,7 +64,6 @@ def tp_plan(model, attention: bool) -> dict:
 def layout(kind: str, world: int, seed: int = 0):
     """(model, dp group, dp rank, dp size) for a layout: "fsdp_tp" (2x2), "fsdp" (1-D), "tp" (MLP TP over
     every rank), "plain"."""
-    import torch.distributed as dist
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor.parallel import parallelize_module
 
