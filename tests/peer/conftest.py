@@ -39,6 +39,21 @@ class Results:
         return [self.get(phase, name, r) for r in range(len(self.by_phase[phase]))]
 
 
+_RESULTS: list[Results] = []
+
+
 @pytest.fixture(scope="session")
 def peer(tmp_path_factory) -> Results:
-    return Results(str(tmp_path_factory.mktemp("peer")))
+    results = Results(str(tmp_path_factory.mktemp("peer")))
+    _RESULTS.append(results)
+    return results
+
+
+def pytest_terminal_summary(terminalreporter) -> None:
+    """Wall seconds per phase and the slowest scenarios (rank 0), when the phases ran."""
+    for results in _RESULTS:
+        phases = ", ".join(f"{p} {s:.1f}s" for p, s in results.seconds.items())
+        terminalreporter.write_line(f"peer phases: {phases}")
+        slow = sorted(((sec, f"{p}:{n}") for p, ranks in results.by_phase.items()
+                       for n, sec in ranks[0][_suite.SECONDS].items()), reverse=True)[:6]
+        terminalreporter.write_line("peer slowest scenarios: " + ", ".join(f"{n} {s:.1f}s" for s, n in slow))

@@ -12,7 +12,7 @@ import warnings
 import numpy as np
 import pytest
 import torch
-from _suite import ITEM_PARTIAL, mesh, model_values, optim_values, path, scenario
+from _suite import ITEM_CAST, ITEM_PARTIAL, mesh, model_values, optim_values, path, scenario
 from torch import nn
 
 import tensorckpt
@@ -139,6 +139,11 @@ def e2e_w2(rank, world, base):
     return {(k, m): _load(k, m, world, base) for k, m in CASES if k != "ddp"}
 
 
+@scenario("w3", full_only=True)
+def e2e_w3(rank, world, base):
+    return {(k, m): _load(k, m, world, base) for k, m in CASES if k == "fsdp"}
+
+
 @scenario("w1_load")
 def e2e_w1(rank, world, base):
     model, optim = make("none", 1)
@@ -185,7 +190,8 @@ def test_e2e_checkpoints_resume_at_world2_and_in_one_process(peer):
     and the resumed model and Adam state equal the world-4 resume's to 1e-6."""
     ref = peer.get("w1_load", "e2e_w1")
     w4 = peer.get("w4", "e2e_w4")
-    for r in peer.all("w2", "e2e_w2") + [{k: v for k, v in ref.items() if k != "ref"}]:
+    more = peer.all("w3", "e2e_w3") if "w3" in peer.by_phase else []
+    for r in peer.all("w2", "e2e_w2") + [{k: v for k, v in ref.items() if k != "ref"}] + more:
         for case, v in r.items():
             assert np.array_equal(v["obj"], w4[case]["saved"]["obj"]), case
             assert v["train_state"] == w4[case]["saved"]["train_state"], case
@@ -389,3 +395,53 @@ def test_no_dist(tmp_path):
     assert not dist.is_initialized()
     tensorckpt.save({}, str(tmp_path / "c"))
     assert tensorckpt.load({}, str(tmp_path / "c")) == {}
+
+
+# ------------------------------------------------ loading into another dtype
+
+
+@scenario("w4")
+def cast_save_w4(rank, world, base):
+    model, optim = make("fsdp", world)
+    model.to(torch.bfloat16)
+    tensorckpt.save({"model": model}, path(base, "bf16"))
+    return {k: v.astype(np.float32) for k, v in model_values(model).items()}
+
+
+@scenario("w2")
+def cast_load_w2(rank, world, base):
+    out = {}
+    model, _ = make("fsdp", world)  # float32
+    try:
+        tensorckpt.load({"model": model}, path(base, "bf16"))
+        out["strict"] = None
+    except tensorckpt.IncompatibleStateError as e:
+        out["strict"] = str(e)
+    try:
+        tensorckpt.load({"model": model}, path(base, "bf16"), cast=True)
+        out["cast"] = {"dtypes": sorted({str(p.dtype) for p in model.parameters()}), "values": model_values(model)}
+    except TypeError as e:
+        out["cast"] = ("TypeError", str(e))
+    return out
+
+
+def test_load_without_cast_names_the_dtypes(peer):
+    """DCP's loads copy stored values into the target's dtype (DefaultLoadPlanner, Tensor.copy_); tensorckpt
+    refuses by default: a bfloat16 FSDP2 checkpoint (world 4) into a float32 FSDP2 model (world 2) is an
+    IncompatibleStateError naming both dtypes."""
+    for r in peer.all("w2", "cast_load_w2"):
+        assert r["strict"] and "bfloat16" in r["strict"] and "float32" in r["strict"], r["strict"]
+
+
+@pytest.mark.xfail(strict=True, raises=TypeError, reason=ITEM_CAST)
+def test_load_casts_to_the_target_dtype(peer):
+    """DCP's loads copy stored values into the target's dtype (DefaultLoadPlanner, Tensor.copy_): with
+    ``cast=True`` a bfloat16 FSDP2 checkpoint (world 4) loads into a float32 FSDP2 model (world 2), each
+    value exactly the bfloat16 one."""
+    saved = peer.get("w4", "cast_save_w4")
+    for r in peer.all("w2", "cast_load_w2"):
+        if isinstance(r["cast"], tuple):
+            raise TypeError(r["cast"][1])
+        assert r["cast"]["dtypes"] == ["torch.float32"]
+        for k, v in saved.items():
+            assert np.array_equal(r["cast"]["values"][k], v), k
