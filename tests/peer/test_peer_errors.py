@@ -91,6 +91,37 @@ def test_save_error_handling_no_dist(tmp_path, monkeypatch):
 
 
 @scenario("w4")
+def save_adapter_failure_w4(rank, world, base):
+    """One rank's module cannot be saved (its get_extra_state returns an object), over a gloo
+    group with a 5 s timeout: a rank left waiting in a collective times out instead of hanging."""
+    import datetime
+
+    import torch.distributed as dist
+
+    class Odd(torch.nn.Linear):
+        def get_extra_state(self):
+            return object() if rank == 2 else {"ok": 1}
+
+        def set_extra_state(self, state):
+            pass
+
+    group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=5))
+    torch.manual_seed(0)
+    out = _outcome(lambda: tensorckpt.save({"model": Odd(2, 2)}, path(base, "fail_adapter"), process_group=group))
+    return out
+
+
+@pytest.mark.xfail(strict=True, raises=AssertionError, reason=ITEM_EVERY_RANK)
+def test_save_error_in_an_adapter_on_one_rank(peer):
+    """Port of test/distributed/checkpoint/test_checkpoint.py::TestDistributedFailure::test_save_error_handling
+    (fail_prepare_local_plan on one rank, here an adapter's save_state failing on rank 2): every rank raises
+    the UnsupportedValueError. Today rank 2 raises it before the save's first collective and the other ranks
+    wait in that collective until the process group's timeout (a hang without one)."""
+    outcomes = peer.all("w4", "save_adapter_failure_w4")
+    assert outcomes == ["UnsupportedValueError"] * 4, outcomes
+
+
+@scenario("w4")
 def load_failures_w4(rank, world, base):
     from tensorckpt.engine import load as load_module
 
