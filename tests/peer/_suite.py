@@ -167,7 +167,15 @@ def path(base: str, name: str) -> str:
     return os.path.join(base, name)
 
 
+_MESHES: dict = {}
+
+
 def mesh(shape: tuple[int, ...], names: tuple[str, ...] | None = None):
+    """A CPU DeviceMesh, one per (shape, names) in this process: creating one
+    creates process groups (collectives), so scenarios share them."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    return init_device_mesh("cpu", shape, mesh_dim_names=names)
+    key = (tuple(shape), names)
+    if key not in _MESHES:
+        _MESHES[key] = init_device_mesh("cpu", tuple(shape), mesh_dim_names=names)
+    return _MESHES[key]

@@ -12,7 +12,15 @@ import warnings
 import numpy as np
 import pytest
 import torch
-from _suite import ITEM_CAST, ITEM_PARTIAL, mesh, model_values, optim_values, path, scenario
+from _suite import (
+    ITEM_CAST,
+    ITEM_PARTIAL,
+    mesh,
+    model_values,
+    optim_values,
+    path,
+    scenario,
+)
 from torch import nn
 
 import tensorckpt

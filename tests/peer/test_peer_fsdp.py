@@ -289,7 +289,11 @@ TP_PLAN = {f"{i}.{p}": None for i in range(3) for p in ("in_proj", "out_proj")}
 
 def dsd_layout(kind: str, world: int, seed: int) -> nn.Module:
     """"plain", "tp" (1-D over every rank), "fsdp" (1-D), "fsdp_tp" (2x2 (dp, tp))."""
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
 
     model = blocks(seed)
     plan = {k: ColwiseParallel() if k.endswith("in_proj") else RowwiseParallel() for k in TP_PLAN}
