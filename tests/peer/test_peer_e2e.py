@@ -11,7 +11,10 @@ import warnings
 
 import numpy as np
 import pytest
+import tensorckpt
 import torch
+from torch import nn
+
 from _suite import (
     ITEM_CAST,
     ITEM_PARTIAL,
@@ -21,9 +24,6 @@ from _suite import (
     path,
     scenario,
 )
-from torch import nn
-
-import tensorckpt
 
 
 class Dummy(nn.Module):

@@ -11,8 +11,12 @@ from itertools import chain
 
 import numpy as np
 import pytest
+import tensorckpt
 import torch
+from torch import nn
+
 from _suite import (
+    FULL,
     ITEM_META,
     ITEM_PREFIX,
     full,
@@ -24,9 +28,6 @@ from _suite import (
     same,
     scenario,
 )
-from torch import nn
-
-import tensorckpt
 
 # ------------------------------------------------ test_state_dict.py
 
@@ -83,10 +84,10 @@ def train(model, optims, xs) -> list[float]:
 
 OPTIMS = {"adam": lambda ps: torch.optim.Adam(ps, lr=1e-4), "adamw": lambda ps: torch.optim.AdamW(ps, lr=1e-4),
           "sgd": lambda ps: torch.optim.SGD(ps, lr=1e-4, momentum=0.9)}
-FSDP2_CASES = [("adamw", True)] + ([("adam", False), ("sgd", True)] if __import__("_suite").FULL else [])
+FSDP2_CASES = [("adamw", True)] + ([("adam", False), ("sgd", True)] if FULL else [])  # (optimizer, reshard_after_forward)
 
 
-def wrapped(kind: str, world: int, seed: int = 0, frozen: bool = False) -> nn.Module:
+def wrapped(kind: str, world: int, seed: int = 0, frozen: bool = False, reshard: bool = True) -> nn.Module:
     model = Composite(seed)
     if frozen:
         for p in chain(model.u1.parameters(), model.u2.parameters()):
@@ -95,8 +96,8 @@ def wrapped(kind: str, world: int, seed: int = 0, frozen: bool = False) -> nn.Mo
         from torch.distributed.fsdp import fully_shard
 
         for unit in (model.u1, model.u2):
-            fully_shard(unit, mesh=mesh((world,)))
-        return fully_shard(model, mesh=mesh((world,)))
+            fully_shard(unit, mesh=mesh((world,)), reshard_after_forward=reshard)
+        return fully_shard(model, mesh=mesh((world,)), reshard_after_forward=reshard)
     if kind == "ddp":
         return nn.parallel.DistributedDataParallel(model)
     return model
@@ -111,12 +112,12 @@ def state_dict_fsdp2_w4(rank, world, base):
     out = {}
     for opt_name, reshard in FSDP2_CASES:
         name = f"sd_fsdp2_{opt_name}_{reshard}"
-        model = wrapped("fsdp2", world)
+        model = wrapped("fsdp2", world, reshard=reshard)
         opt = OPTIMS[opt_name](model.parameters())
         losses = train(model, [opt], batches(10))
         tensorckpt.save({"model": model, "optim": opt}, path(base, name))
         ref_next = train(model, [opt], batches(12)[10:])
-        model2 = wrapped("fsdp2", world, seed=1)
+        model2 = wrapped("fsdp2", world, seed=1, reshard=reshard)
         opt2 = OPTIMS[opt_name](model2.parameters())
         tensorckpt.load({"model": model2, "optim": opt2}, path(base, name))
         loaded = {"model": model_values(model2), "optim": optim_values(model2, opt2)}
@@ -144,7 +145,8 @@ def state_dict_fsdp2_w1(rank, world, base):
 
 
 def test_fsdp2(peer):
-    """Port of test/distributed/checkpoint/test_state_dict.py::TestStateDict::test_fsdp2 (and ::test_single_gpu):
+    """Port of test/distributed/checkpoint/test_state_dict.py::TestStateDict::test_fsdp2 (and ::test_single_gpu;
+    reshard_after_forward False and Adam / SGD in FULL):
     10 steps of FSDP2 and of a plain model on the same batches; the FSDP2 checkpoint loads into a fresh
     FSDP2 model (bit-exact) and into one process; the next two steps' losses match the uninterrupted run's
     to 1e-5 relative (FSDP2's gradient averaging rounds differently from one process)."""
