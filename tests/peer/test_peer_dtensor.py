@@ -10,11 +10,11 @@ one process as plain tensors is loaded into every 4-rank layout too.
 from __future__ import annotations
 
 import numpy as np
-import tensorckpt
 import torch
+from _suite import full, mesh, model_values, path, scenario
 from torch import nn
 
-from _suite import full, mesh, model_values, path, scenario
+import tensorckpt
 
 # DCP's layouts (test_dtensor_resharding.py ONE_D_PLACEMENTS / TWO_D_PLACEMENTS), by name
 ONE_D = ("S0", "R")

@@ -11,10 +11,7 @@ import warnings
 
 import numpy as np
 import pytest
-import tensorckpt
 import torch
-from torch import nn
-
 from _suite import (
     ITEM_CAST,
     ITEM_PARTIAL,
@@ -24,6 +21,9 @@ from _suite import (
     path,
     scenario,
 )
+from torch import nn
+
+import tensorckpt
 
 
 class Dummy(nn.Module):

@@ -7,10 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-import tensorckpt
 import torch
-from torch import nn
-
 from _suite import (
     ITEM_META,
     ITEM_PER_RANK_OPTIM,
@@ -23,6 +20,9 @@ from _suite import (
     same,
     scenario,
 )
+from torch import nn
+
+import tensorckpt
 
 # ------------------------------------------------ e2e/test_fsdp_ep.py
 

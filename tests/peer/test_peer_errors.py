@@ -11,10 +11,10 @@ from __future__ import annotations
 import os
 
 import pytest
-import tensorckpt
 import torch
-
 from _suite import ITEM_EVERY_RANK, ITEM_LEGACY, path, scenario
+
+import tensorckpt
 
 
 def _state():

@@ -10,10 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-import tensorckpt
 import torch
-from torch import nn
-
 from _suite import (
     ITEM_META,
     ITEM_STRIDED,
@@ -26,6 +23,9 @@ from _suite import (
     same,
     scenario,
 )
+from torch import nn
+
+import tensorckpt
 
 # ------------------------------------------------ test_fsdp_model_state.py
 

@@ -19,10 +19,10 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-import tensorckpt
 import torch
-
 from _suite import ITEM_STRIDED, mesh, path, scenario
+
+import tensorckpt
 
 STEPS, MORE, BATCH, SEQ = 3, 2, 4, 16
 RTOL = 2e-5

@@ -11,10 +11,7 @@ from itertools import chain
 
 import numpy as np
 import pytest
-import tensorckpt
 import torch
-from torch import nn
-
 from _suite import (
     FULL,
     ITEM_META,
@@ -28,6 +25,9 @@ from _suite import (
     same,
     scenario,
 )
+from torch import nn
+
+import tensorckpt
 
 # ------------------------------------------------ test_state_dict.py
 
