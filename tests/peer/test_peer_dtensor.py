@@ -81,12 +81,12 @@ def mismatches(loaded: dict, name: str, world: int) -> list[str]:
 
 
 @scenario("w1_save")
-def dtensor_plain_save(rank, world, base):
+def dtensor_plain_save(rank: int, world: int, base: str):
     tensorckpt.save({src: globals_() for src in LAYOUTS}, path(base, "dt_plain"))
 
 
 @scenario("w4")
-def dtensor_save_all_layouts(rank, world, base):
+def dtensor_save_all_layouts(rank: int, world: int, base: str):
     """Port of test/distributed/checkpoint/test_dtensor_resharding.py (the save half of every test)."""
     tensorckpt.save({src: distributed(src, world) for src in LAYOUTS}, path(base, "dt_all"))
 
@@ -106,7 +106,7 @@ def reshard(base: str, world: int, targets, ckpt: str = "dt_all") -> dict:
 
 
 @scenario("w4")
-def dtensor_reshard_w4(rank, world, base):
+def dtensor_reshard_w4(rank: int, world: int, base: str):
     """Every saved layout into every layout (same world): placement changes
     (1-D -> 1-D, 2-D -> 2-D) and mesh changes (1-D <-> 2-D); the plain
     single-process checkpoint into every layout."""
@@ -114,17 +114,17 @@ def dtensor_reshard_w4(rank, world, base):
 
 
 @scenario("w2")
-def dtensor_reshard_w2(rank, world, base):
+def dtensor_reshard_w2(rank: int, world: int, base: str):
     return reshard(base, world, W2_LAYOUTS)
 
 
 @scenario("w3", full_only=True)
-def dtensor_reshard_w3(rank, world, base):
+def dtensor_reshard_w3(rank: int, world: int, base: str):
     return reshard(base, world, ("S0", "S1", "R"))
 
 
 @scenario("w1_load")
-def dtensor_reshard_w1(rank, world, base):
+def dtensor_reshard_w1(rank: int, world: int, base: str):
     state = {src: {k: torch.zeros_like(v) for k, v in globals_().items()} for src in LAYOUTS}
     tensorckpt.load(state, path(base, "dt_all"))
     return {src: {k: full(v) for k, v in values.items()} for src, values in state.items()}
@@ -197,7 +197,7 @@ def tp_mlp(world: int, seed: int = 5) -> nn.Module:
 
 
 @scenario("w4")
-def tp_checkpoint_w4(rank, world, base):
+def tp_checkpoint_w4(rank: int, world: int, base: str):
     model = tp_mlp(world)
     opt = torch.optim.SGD(model.parameters(), lr=0.25)
     saved = model_values(model)
@@ -213,21 +213,21 @@ def tp_checkpoint_w4(rank, world, base):
 
 
 @scenario("w2")
-def tp_checkpoint_w2(rank, world, base):
+def tp_checkpoint_w2(rank: int, world: int, base: str):
     model = tp_mlp(world, seed=1)
     tensorckpt.load({"model": model}, path(base, "tp_mlp"))
     return model_values(model)
 
 
 @scenario("w3", full_only=True)
-def tp_checkpoint_w3(rank, world, base):
+def tp_checkpoint_w3(rank: int, world: int, base: str):
     model = tp_mlp(world, seed=1)  # 16 rows over 3 ranks: 6, 6, 4
     tensorckpt.load({"model": model}, path(base, "tp_mlp"))
     return model_values(model)
 
 
 @scenario("w1_load")
-def tp_checkpoint_w1(rank, world, base):
+def tp_checkpoint_w1(rank: int, world: int, base: str):
     model = MLP(seed=1)
     tensorckpt.load({"model": model}, path(base, "tp_mlp"))
     return model_values(model)

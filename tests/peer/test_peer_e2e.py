@@ -134,7 +134,7 @@ CASES = [(k, "sync") for k in KINDS] + [("fsdp", m) for m in ASYNC]
 
 
 @scenario("w4")
-def e2e_w4(rank, world, base):
+def e2e_w4(rank: int, world: int, base: str):
     out = {}
     for kind, mode in CASES:
         saved = _save(kind, mode, world, base)
@@ -143,17 +143,17 @@ def e2e_w4(rank, world, base):
 
 
 @scenario("w2")
-def e2e_w2(rank, world, base):
+def e2e_w2(rank: int, world: int, base: str):
     return {(k, m): _load(k, m, world, base) for k, m in CASES if k != "ddp"}
 
 
 @scenario("w3", full_only=True)
-def e2e_w3(rank, world, base):
+def e2e_w3(rank: int, world: int, base: str):
     return {(k, m): _load(k, m, world, base) for k, m in CASES if k == "fsdp"}
 
 
 @scenario("w1_load")
-def e2e_w1(rank, world, base):
+def e2e_w1(rank: int, world: int, base: str):
     model, optim = make("none", 1)
     train(model, optim, 2)
     ref_loss, _ = train(model, optim, 1)
@@ -212,7 +212,7 @@ def test_e2e_checkpoints_resume_at_world2_and_in_one_process(peer):
 
 
 @scenario("w4")
-def partial_load_w4(rank, world, base):
+def partial_load_w4(rank: int, world: int, base: str):
     model, optim = make("fsdp", world)
     train(model, optim, 2)
     tensorckpt.save({"model": model, "optimizer": optim}, path(base, "partial"))
@@ -270,7 +270,7 @@ def test_partial_load_by_key(peer):
 
 
 @scenario("w2")
-def ordered_keys_w2(rank, world, base):
+def ordered_keys_w2(rank: int, world: int, base: str):
     calls = []
 
     class Foo:
@@ -307,7 +307,7 @@ def test_different_ordered_state_dict_keys(peer):
 
 
 @scenario("w2")
-def overwrite_w2(rank, world, base):
+def overwrite_w2(rank: int, world: int, base: str):
     t1, t2 = torch.randn(10), torch.randn(10)
     import torch.distributed as dist
 
@@ -409,7 +409,7 @@ def test_no_dist(tmp_path):
 
 
 @scenario("w4")
-def cast_save_w4(rank, world, base):
+def cast_save_w4(rank: int, world: int, base: str):
     model, optim = make("fsdp", world)
     model.to(torch.bfloat16)
     tensorckpt.save({"model": model}, path(base, "bf16"))
@@ -417,7 +417,7 @@ def cast_save_w4(rank, world, base):
 
 
 @scenario("w2")
-def cast_load_w2(rank, world, base):
+def cast_load_w2(rank: int, world: int, base: str):
     out = {}
     model, _ = make("fsdp", world)  # float32
     try:

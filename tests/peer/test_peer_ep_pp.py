@@ -62,7 +62,7 @@ def ep_step(model, opt) -> None:
 
 
 @scenario("w4")
-def fsdp_ep_w4(rank, world, base):
+def fsdp_ep_w4(rank: int, world: int, base: str):
     from torch.distributed.fsdp import fully_shard
 
     two_d = mesh((2, world // 2), ("dp", "ep"))
@@ -79,7 +79,7 @@ def fsdp_ep_w4(rank, world, base):
 
 
 @scenario("w2")
-def fsdp_ep_model_w2(rank, world, base):
+def fsdp_ep_model_w2(rank: int, world: int, base: str):
     """Each of 2 ranks holds one expert (no FSDP on it); the model only (strict=False: the optimizer is left out)."""
     import warnings
 
@@ -91,7 +91,7 @@ def fsdp_ep_model_w2(rank, world, base):
 
 
 @scenario("w2")
-def fsdp_ep_optim_w2(rank, world, base):
+def fsdp_ep_optim_w2(rank: int, world: int, base: str):
     model = Top(2, {rank})
     opt = torch.optim.Adam(model.parameters(), lr=0.1)
     tensorckpt.load({"model": model, "optim": opt}, path(base, "fsdp_ep"))
@@ -99,7 +99,7 @@ def fsdp_ep_optim_w2(rank, world, base):
 
 
 @scenario("w1_load")
-def fsdp_ep_w1(rank, world, base):
+def fsdp_ep_w1(rank: int, world: int, base: str):
     model = Top(2, {0, 1})
     opt = torch.optim.Adam(model.parameters(), lr=0.1)
     tensorckpt.load({"model": model, "optim": opt}, path(base, "fsdp_ep"))
@@ -150,7 +150,7 @@ class Pipeline(nn.Module):
 
 
 @scenario("w4")
-def pipeline_save_w4(rank, world, base):
+def pipeline_save_w4(rank: int, world: int, base: str):
     """Each rank materializes one stage (its layer) of a meta-device model, as DCP's test does."""
     with torch.device("meta"):
         model = Pipeline()
@@ -165,7 +165,7 @@ def pipeline_save_w4(rank, world, base):
 
 
 @scenario("w4")
-def pipeline_stage_modules_w4(rank, world, base):
+def pipeline_stage_modules_w4(rank: int, world: int, base: str):
     """The same pipeline with each rank passing only its stage (a module holding just its layer)."""
     model = Pipeline()
     for i in range(1, 5):
@@ -188,7 +188,7 @@ def _fsdp_pipeline(world: int):
 
 
 @scenario("w4")
-def pipeline_load_fsdp_w4(rank, world, base):
+def pipeline_load_fsdp_w4(rank: int, world: int, base: str):
     """Load into FSDP on all 4 ranks (DCP's load_with_fsdp): the model alone."""
     import warnings
 
@@ -200,14 +200,14 @@ def pipeline_load_fsdp_w4(rank, world, base):
 
 
 @scenario("w4")
-def pipeline_load_fsdp_optim_w4(rank, world, base):
+def pipeline_load_fsdp_optim_w4(rank: int, world: int, base: str):
     model, optim = _fsdp_pipeline(world)
     tensorckpt.load({"model": model, "optim": optim}, path(base, "pipeline_stages"))
     return {"model": model_values(model), "optim": optim_values(model, optim)}
 
 
 @scenario("w4")
-def pipeline_load_meta_fsdp_w4(rank, world, base):
+def pipeline_load_meta_fsdp_w4(rank: int, world: int, base: str):
     model, optim = _fsdp_pipeline(world)
     tensorckpt.load({"model": model, "optim": optim}, path(base, "pipeline_meta"))
     return {"model": model_values(model), "optim": optim_values(model, optim)}

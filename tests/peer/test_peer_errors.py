@@ -38,7 +38,7 @@ def _committed(p: str) -> str:
 
 
 @scenario("w4")
-def save_failures_w4(rank, world, base):
+def save_failures_w4(rank: int, world: int, base: str):
     from tensorckpt.engine import save as save_module
 
     out = {}
@@ -91,7 +91,7 @@ def test_save_error_handling_no_dist(tmp_path, monkeypatch):
 
 
 @scenario("w4")
-def save_adapter_failure_w4(rank, world, base):
+def save_adapter_failure_w4(rank: int, world: int, base: str):
     """One rank's module cannot be saved (its get_extra_state returns an object), over a gloo
     group with a 5 s timeout: a rank left waiting in a collective times out instead of hanging."""
     import datetime
@@ -122,7 +122,7 @@ def test_save_error_in_an_adapter_on_one_rank(peer):
 
 
 @scenario("w4")
-def load_failures_w4(rank, world, base):
+def load_failures_w4(rank: int, world: int, base: str):
     from tensorckpt.engine import load as load_module
 
     tensorckpt.save(_state(), path(base, "load_src"))
@@ -200,14 +200,14 @@ def _legacy(world: int, fill: bool):
 
 
 @scenario("w4")
-def legacy_sharded_tensor_w4(rank, world, base):
+def legacy_sharded_tensor_w4(rank: int, world: int, base: str):
     state = {"sharded": _legacy(world, True), **_state()}
     tensorckpt.save(state, path(base, "legacy"))
     return True
 
 
 @scenario("w2")
-def legacy_sharded_tensor_w2(rank, world, base):
+def legacy_sharded_tensor_w2(rank: int, world: int, base: str):
     st = _legacy(world, False)
     tensorckpt.load({"sharded": st, **_state()}, path(base, "legacy"))
     return [(s.metadata.shard_offsets[0], s.tensor.numpy().copy()) for s in st.local_shards()]

@@ -36,7 +36,7 @@ def linear8(seed: int) -> nn.Module:
 
 
 @scenario("w4")
-def fsdp_model_state_w4(rank, world, base):
+def fsdp_model_state_w4(rank: int, world: int, base: str):
     # DCP builds the Linear on meta and lets FSDP materialize it; FSDP2 does that with to_empty + init
     with torch.device("meta"):
         model = nn.Linear(8, 8)
@@ -59,7 +59,7 @@ def fsdp_model_state_w4(rank, world, base):
 
 
 @scenario("w4")
-def fsdp_model_state_meta_w4(rank, world, base):
+def fsdp_model_state_meta_w4(rank: int, world: int, base: str):
     with torch.device("meta"):
         model = nn.Linear(8, 8)
     fsdp2(model, mesh((world,)), children=False)
@@ -68,14 +68,14 @@ def fsdp_model_state_meta_w4(rank, world, base):
 
 
 @scenario("w2")
-def fsdp_model_state_w2(rank, world, base):
+def fsdp_model_state_w2(rank: int, world: int, base: str):
     model = fsdp2(linear8(1), mesh((world,)), children=False)
     tensorckpt.load({"model": model}, path(base, "fsdp_linear"))
     return model_values(model)
 
 
 @scenario("w1_load")
-def fsdp_model_state_w1(rank, world, base):
+def fsdp_model_state_w1(rank: int, world: int, base: str):
     model = linear8(1)
     tensorckpt.load({"model": model}, path(base, "fsdp_linear"))
     return model_values(model)
@@ -123,7 +123,7 @@ class DummyModel(nn.Module):
 
 
 @scenario("w4")
-def fsdp_optim_state_w4(rank, world, base):
+def fsdp_optim_state_w4(rank: int, world: int, base: str):
     model = fsdp2(DummyModel(world, 0), mesh((world,)))
     optim = torch.optim.Adam(model.parameters(), lr=0.1)
     torch.manual_seed(1)
@@ -140,7 +140,7 @@ def fsdp_optim_state_w4(rank, world, base):
 
 
 @scenario("w2")
-def fsdp_optim_state_w2(rank, world, base):
+def fsdp_optim_state_w2(rank: int, world: int, base: str):
     model = fsdp2(DummyModel(4, 1), mesh((world,)))
     optim = torch.optim.Adam(model.parameters(), lr=0.1)
     tensorckpt.load({"model": model, "optim": optim}, path(base, "fsdp_optim"))
@@ -148,12 +148,12 @@ def fsdp_optim_state_w2(rank, world, base):
 
 
 @scenario("w3", full_only=True)
-def fsdp_optim_state_w3(rank, world, base):
+def fsdp_optim_state_w3(rank: int, world: int, base: str):
     return fsdp_optim_state_w2(rank, world, base)
 
 
 @scenario("w1_load")
-def fsdp_optim_state_w1(rank, world, base):
+def fsdp_optim_state_w1(rank: int, world: int, base: str):
     model = DummyModel(4, 1)
     optim = torch.optim.Adam(model.parameters(), lr=0.1)
     tensorckpt.load({"model": model, "optim": optim}, path(base, "fsdp_optim"))
@@ -198,7 +198,7 @@ def hsdp(model: nn.Module, world: int) -> nn.Module:
 
 
 @scenario("w4")
-def hsdp_checkpoint_w4(rank, world, base):
+def hsdp_checkpoint_w4(rank: int, world: int, base: str):
     out = {}
     for uneven in (False, True):
         name = f"hsdp_{'uneven' if uneven else 'even'}"
@@ -221,7 +221,7 @@ def hsdp_checkpoint_w4(rank, world, base):
 
 
 @scenario("w2")
-def hsdp_checkpoint_w2(rank, world, base):
+def hsdp_checkpoint_w2(rank: int, world: int, base: str):
     out = {}
     for uneven in (False, True):
         name = f"hsdp_{'uneven' if uneven else 'even'}"
@@ -232,7 +232,7 @@ def hsdp_checkpoint_w2(rank, world, base):
 
 
 @scenario("w1_load")
-def hsdp_checkpoint_w1(rank, world, base):
+def hsdp_checkpoint_w1(rank: int, world: int, base: str):
     out = {}
     for uneven in (False, True):
         name = f"hsdp_{'uneven' if uneven else 'even'}"
@@ -320,7 +320,7 @@ DSD_TARGETS = {"w4": ("tp", "fsdp", "fsdp_tp"), "w2": ("tp", "fsdp"), "w1_load":
 
 
 @scenario("w4")
-def dsd_save_w4(rank, world, base):
+def dsd_save_w4(rank: int, world: int, base: str):
     """Every source layout takes one AdamW step on the same batch and is saved."""
     out = {}
     for kind in DSD_SOURCES:
@@ -350,22 +350,22 @@ def _dsd_load(phase: str, world: int, base: str) -> dict:
 
 
 @scenario("w4")
-def dsd_load_w4(rank, world, base):
+def dsd_load_w4(rank: int, world: int, base: str):
     return _dsd_load("w4", world, base)
 
 
 @scenario("w2")
-def dsd_load_w2(rank, world, base):
+def dsd_load_w2(rank: int, world: int, base: str):
     return _dsd_load("w2", world, base)
 
 
 @scenario("w3", full_only=True)
-def dsd_load_w3(rank, world, base):
+def dsd_load_w3(rank: int, world: int, base: str):
     return _dsd_load("w3", world, base)
 
 
 @scenario("w1_load")
-def dsd_load_w1(rank, world, base):
+def dsd_load_w1(rank: int, world: int, base: str):
     return _dsd_load("w1_load", world, base)
 
 

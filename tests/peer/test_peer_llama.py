@@ -122,7 +122,7 @@ SOURCES = ("fsdp_tp", "fsdp")
 
 
 @scenario("w4")
-def llama_train_w4(rank, world, base):
+def llama_train_w4(rank: int, world: int, base: str):
     out = {}
     for source in SOURCES:
         model, group, dp_rank, dp_size = layout(source, world)
@@ -149,17 +149,17 @@ def _resume_all(kind: str, world: int, base: str) -> dict:
 
 
 @scenario("w4")
-def llama_resume_tp_w4(rank, world, base):
+def llama_resume_tp_w4(rank: int, world: int, base: str):
     return _resume_all("tp", world, base)
 
 
 @scenario("w2")
-def llama_resume_fsdp_w2(rank, world, base):
+def llama_resume_fsdp_w2(rank: int, world: int, base: str):
     return _resume_all("fsdp", world, base)
 
 
 @scenario("w1_load")
-def llama_resume_plain_w1(rank, world, base):
+def llama_resume_plain_w1(rank: int, world: int, base: str):
     model, _, _, _ = layout("plain", 1)
     opt = optimizer(model)
     uninterrupted = steps(model, opt, None, 0, 1, range(STEPS + MORE))

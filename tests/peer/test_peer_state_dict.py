@@ -108,7 +108,7 @@ def trainable(model) -> list:
 
 
 @scenario("w4")
-def state_dict_fsdp2_w4(rank, world, base):
+def state_dict_fsdp2_w4(rank: int, world: int, base: str):
     out = {}
     for opt_name, reshard in FSDP2_CASES:
         name = f"sd_fsdp2_{opt_name}_{reshard}"
@@ -127,7 +127,7 @@ def state_dict_fsdp2_w4(rank, world, base):
 
 
 @scenario("w1_load")
-def state_dict_fsdp2_w1(rank, world, base):
+def state_dict_fsdp2_w1(rank: int, world: int, base: str):
     """The uninterrupted single-process run (DCP's orig_model) and the FSDP2 checkpoint loaded into it."""
     out = {}
     for opt_name, reshard in FSDP2_CASES:
@@ -164,7 +164,7 @@ def test_fsdp2(peer):
 
 
 @scenario("w4")
-def state_dict_ddp_w4(rank, world, base):
+def state_dict_ddp_w4(rank: int, world: int, base: str):
     model = wrapped("ddp", world)
     opt = OPTIMS["adamw"](model.parameters())
     train(model, [opt], batches(3))
@@ -174,7 +174,7 @@ def state_dict_ddp_w4(rank, world, base):
 
 
 @scenario("w2")
-def state_dict_ddp_w2(rank, world, base):
+def state_dict_ddp_w2(rank: int, world: int, base: str):
     model = wrapped("ddp", world, seed=1)
     opt = OPTIMS["adamw"](model.parameters())
     tensorckpt.load({"model": model, "optim": opt}, path(base, "sd_ddp"))
@@ -182,7 +182,7 @@ def state_dict_ddp_w2(rank, world, base):
 
 
 @scenario("w1_load")
-def state_dict_ddp_w1(rank, world, base):
+def state_dict_ddp_w1(rank: int, world: int, base: str):
     model = Composite(seed=1)
     opt = OPTIMS["adamw"](model.parameters())
     tensorckpt.load({"model": model, "optim": opt}, path(base, "sd_ddp"))
@@ -275,7 +275,7 @@ def test_non_persistent_buffers_and_extra_state(tmp_path):
 
 
 @scenario("w4")
-def state_dict_strict_w4(rank, world, base):
+def state_dict_strict_w4(rank: int, world: int, base: str):
     model = wrapped("fsdp2", world)
     tensorckpt.save({"model": model}, path(base, "sd_strict"))
     out = {}
@@ -333,7 +333,7 @@ class Tied(nn.Module):
 
 
 @scenario("w4")
-def shared_weight_w4(rank, world, base):
+def shared_weight_w4(rank: int, world: int, base: str):
     from torch.distributed.fsdp import fully_shard
 
     model = fully_shard(Tied(), mesh=mesh((world,)))
@@ -352,7 +352,7 @@ def shared_weight_w4(rank, world, base):
 
 
 @scenario("w1_load")
-def shared_weight_w1(rank, world, base):
+def shared_weight_w1(rank: int, world: int, base: str):
     model = Tied(seed=1)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     tensorckpt.load({"model": model, "optim": opt}, path(base, "tied"))
@@ -394,7 +394,7 @@ def multi_groups(model, empty: bool):
 
 
 @scenario("w4")
-def multi_param_groups_w4(rank, world, base):
+def multi_param_groups_w4(rank: int, world: int, base: str):
     out = {}
     for empty in (False, True):
         model = tp_pair(world, 0)
@@ -412,7 +412,7 @@ def multi_param_groups_w4(rank, world, base):
 
 
 @scenario("w1_load")
-def multi_param_groups_w1(rank, world, base):
+def multi_param_groups_w1(rank: int, world: int, base: str):
     out = {}
     for empty in (False, True):
         model = tp_pair(1, 1)
@@ -434,7 +434,7 @@ def test_multi_param_groups(peer):
 
 
 @scenario("w4")
-def param_matching_frozen_w4(rank, world, base):
+def param_matching_frozen_w4(rank: int, world: int, base: str):
     from torch.distributed.fsdp import fully_shard
 
     torch.manual_seed(0)
@@ -480,7 +480,7 @@ def test_frozen_parameters(peer):
 
 
 @scenario("w1_save")
-def meta_model_source(rank, world, base):
+def meta_model_source(rank: int, world: int, base: str):
     torch.manual_seed(0)
     model = nn.Sequential(*[nn.Linear(4, 4, bias=False) for _ in range(2)])
     tensorckpt.save({"model": model}, path(base, "meta_src"))
@@ -488,7 +488,7 @@ def meta_model_source(rank, world, base):
 
 
 @scenario("w4")
-def meta_model_w4(rank, world, base):
+def meta_model_w4(rank: int, world: int, base: str):
     from torch.distributed.fsdp import fully_shard
 
     with torch.device("meta"):
