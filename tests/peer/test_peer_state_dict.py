@@ -462,21 +462,41 @@ def param_matching_frozen_w4(rank: int, world: int, base: str):
     return out
 
 
+@scenario("w1_load")
+def param_matching_frozen_w1(rank: int, world: int, base: str):
+    torch.manual_seed(5)
+    model = nn.Sequential(*[nn.Linear(4, 4, bias=False) for _ in range(2)])
+    optim = torch.optim.Adam(model.parameters(), lr=1e-2)
+    tensorckpt.load({"model": model, "optim": optim}, path(base, "initial_lr"))
+    fmodel = wrapped("plain", 1, seed=1, frozen=True)
+    fopt = OPTIMS["adamw"](trainable(fmodel))
+    tensorckpt.load({"model": fmodel, "optim": fopt}, path(base, "frozen"))
+    return {"after": optim.param_groups[0].get("initial_lr"),
+            "frozen": {"loaded": model_values(fmodel), "oloaded": optim_values(fmodel, fopt)}}
+
+
 def test_optim_state_dict_param_matching(peer):
     """Port of test/distributed/checkpoint/test_state_dict.py::TestStateDict::test_optim_state_dict_param_matching:
-    LambdaLR's ``initial_lr`` reaches a fresh optimizer through the checkpoint."""
+    LambdaLR's ``initial_lr`` reaches a fresh optimizer through the checkpoint (FSDP2 at world 4, and a
+    plain model in one process)."""
     for r in peer.all("w4", "param_matching_frozen_w4"):
         assert not r["before"] and r["after"] == 1e-2
+    assert peer.get("w1_load", "param_matching_frozen_w1")["after"] == 1e-2
 
 
 def test_frozen_parameters(peer):
     """Port of test/distributed/checkpoint/test_state_dict.py::TestStateDict::test_fsdp_ddp (test_frozen=True,
-    DDP+FSDP1 as FSDP2): frozen parameters are saved and loaded; the optimizer state covers the trainable ones."""
+    DDP+FSDP1 as FSDP2): frozen parameters are saved and loaded (FSDP2 at world 4, plain in one process); the
+    optimizer state covers the trainable ones."""
     for r in peer.all("w4", "param_matching_frozen_w4"):
         f = r["frozen"]
         same(f["loaded"], f["saved"])
         same(f["oloaded"], f["osaved"])
         assert not any(k.startswith("u1.") for k in f["oloaded"] if not k.startswith("group"))
+    one = peer.get("w1_load", "param_matching_frozen_w1")["frozen"]
+    saved = peer.get("w4", "param_matching_frozen_w4")["frozen"]
+    same(one["loaded"], saved["saved"], "world 1")
+    same(one["oloaded"], saved["osaved"], "world 1 optim")
 
 
 @scenario("w1_save")
