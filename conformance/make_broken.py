@@ -102,6 +102,28 @@ def _drop_params(meta: dict) -> None:
     del meta["values"]["optim/param_groups"][0]["params"]
 
 
+def _rename_group(meta: dict) -> None:
+    """Move the one group of optim (1.2) to the id 0123456789abcdef, group_of following it."""
+    values, new = meta["values"], "0123456789abcdef"
+    for k in [k for k in values if k.startswith("optim/groups/")]:
+        parts = k.split("/")
+        values["/".join([*parts[:2], new, *parts[3:]])] = values.pop(k)
+    for k in [k for k in values if k.startswith("optim/group_of/")]:
+        values[k] = new
+    meta["values"] = dict(sorted(values.items()))
+
+
+def _move_group(ck: Path) -> None:
+    old = next(k.split("/")[2] for k in _root(ck)["attributes"]["tensorckpt"]["values"] if k.startswith("optim/groups/"))
+    _meta_edit(_rename_group)(ck)
+    if (ck / "optim" / "groups" / old).is_dir():  # the group node of the value-only prefix
+        (ck / "optim" / "groups" / old).rename(ck / "optim" / "groups" / "0123456789abcdef")
+
+
+def _group_of_elsewhere(meta: dict) -> None:
+    meta["values"]["optim/group_of/0.bias"] = "0123456789abcdef"
+
+
 # ------------------------------------------------------------------ the variants
 
 
@@ -161,6 +183,12 @@ VARIANTS: dict[str, Variant] = {v_name: v for v_name, v in {
                                      _drop_count, keep=("data",)),
     "rng_python_version": Variant("training_state", "rng-row", "row 0 of rng/python has version 4, not 3 (CRC fixed)",
                                   _set_int64("rng/python/c/0/0", 0), keep=("rng",)),
+    "wrong_group_id": Variant("training_state_1_2", "optimizer-group-id",
+                              "optim's group (1.2) stored under the id 0123456789abcdef (group_of following), not the "
+                              "digest of its hyperparameters", _move_group, keep=("optim",)),
+    "group_of_missing_group": Variant("training_state_1_2", "optimizer-group-missing",
+                                      "optim/group_of/0.bias names the group 0123456789abcdef, which is not stored",
+                                      _meta_edit(_group_of_elsewhere), keep=("optim",)),
 }.items()}
 
 

@@ -323,15 +323,72 @@ def test_training_state_rules(tmp_path, edit, rule):
     assert rule in _rules(report) and _rules(report) <= {rule, "array-index"}, validate.render(report)
 
 
+def _training_state_1_2(tmp_path, edit) -> validate.Report:
+    ck = tmp_path / "ck"
+    shutil.copytree(HERE / "golden" / "v1" / "training_state_1_2" / "checkpoint", ck)
+    doc = json.loads((ck / "zarr.json").read_bytes())
+    edit(doc["attributes"]["tensorckpt"]["values"])
+    (ck / "zarr.json").write_text(json.dumps(doc))
+    return validate.validate(ck)
+
+
+GID = "f16120e318148b82"  # the id of optim's one group in golden training_state_1_2
+
+
+def _pop(key: str):
+    return lambda v: v.pop(key)
+
+
+@pytest.mark.parametrize("edit, rule, where", [
+    (lambda v: v.update({"optim/group_of/0.bias": "0" * 16}), "optimizer-group-missing", "optim/group_of/0.bias"),
+    (lambda v: v.update({f"optim/groups/{GID}/lr": 0.3}), "optimizer-group-id", f"optim/groups/{GID}"),
+    (lambda v: v.update({f"optim/groups/{GID}/eps": 1e-8 + 1e-20}), "optimizer-group-id", f"optim/groups/{GID}"),
+    (_pop("optim/group_of/2.weight"), "optimizer-group-of", "optim/state/2.weight"),
+    (_pop("optim/class"), "optimizer-layout", "optim"),
+    (lambda v: v.update({"optim/class": ["AdamW"]}), "optimizer-layout", "optim/class"),
+    (lambda v: v.update({"optim/group_of/0.bias": "F16120E318148B82"}), "optimizer-layout", "optim/group_of/0.bias"),
+    (lambda v: v.update({"optim/param_groups": [{"params": ["0.bias"], "lr": 0.25}]}), "optimizer-legacy-layout",
+     "optim/param_groups"),
+    (lambda v: v.update({"sched/class": 3}), "scheduler-class", "sched/class"),
+    (lambda v: v.update({"tied/head.weight/tied_to": "embedding.weight"}), "module-tied-to", "tied/head.weight/tied_to"),
+    (lambda v: v.update({"tied/head.weight/tied_to": "model/0.weight"}), "module-tied-to", "tied/head.weight/tied_to"),
+    (lambda v: v.update({"tied/head.weight/tied_to": 0}), "module-tied-to", "tied/head.weight/tied_to"),
+])
+def test_training_state_1_2_rules(tmp_path, edit, rule, where):
+    """Each edit of the 1.2 golden breaks one rule of 1.2 (training-state.md 3.3, 4.2, 4.4, 5)."""
+    report = _training_state_1_2(tmp_path, edit)
+    assert {(v.rule, v.where) for v in report.violations} >= {(rule, where)}, validate.render(report)
+    assert _rules(report) <= {rule, "optimizer-layout", "unexpected-object"}, validate.render(report)
+
+
+def test_training_state_1_2_digest_and_what_is_not_a_tie(tmp_path):
+    st = validate.validate_state
+    assert st.group_id({"lr": 0.1, "betas": [0.9, 0.999], "name": "\u00e9"}) == \
+        __import__("hashlib").sha256(b'{"betas":[0.9,0.999],"lr":0.1,"name":"\\u00e9"}').hexdigest()[:16]
+    report = _training_state_1_2(tmp_path, lambda v: v.update({"cfg/tied_to": "nothing", "extra/x/tied_to": 1}))
+    assert report.exit_code == 0 and "tied entry at tied/head.weight" in report.objects, validate.render(report)
+    assert not any(o.startswith("tied entry at cfg") for o in report.objects)
+
+
 def test_finite_0d_state_tensor_must_be_a_number(tmp_path):
     model = torch.nn.Linear(2, 1)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    gid = validate.validate_state.group_id({"lr": 0.1})
+    tensorckpt.save({"model": model.state_dict(), "optim": {
+        "class": "SGD", "group_of": {"weight": gid, "bias": gid}, "groups": {gid: {"lr": 0.1}},
+        "state": {"weight": {"step": torch.tensor(3.0)}, "bias": {"step": torch.tensor(float("inf"))}}}}, tmp_path / "ck")
+    report = validate.validate(tmp_path / "ck")
+    assert [(v.rule, v.where) for v in report.violations] == [("optimizer-state-entry", "optim/state/weight/step")]
+
+
+def test_param_groups_in_a_fresh_checkpoint(tmp_path):
+    """A 1.2 checkpoint with the 1.0/1.1 layout: reported (4.4), and its 1.1 rules still apply."""
+    model = torch.nn.Linear(2, 1)
     tensorckpt.save({"model": model.state_dict(), "optim": {
         "param_groups": [{"lr": 0.1, "params": ["weight", "bias"]}],
         "state": {"weight": {"step": torch.tensor(3.0)}, "bias": {"step": torch.tensor(float("inf"))}}}}, tmp_path / "ck")
-    del opt
     report = validate.validate(tmp_path / "ck")
-    assert [(v.rule, v.where) for v in report.violations] == [("optimizer-state-entry", "optim/state/weight/step")]
+    assert [(v.rule, v.where) for v in report.violations] == [("optimizer-legacy-layout", "optim/param_groups"),
+                                                              ("optimizer-state-entry", "optim/state/weight/step")]
 
 
 def test_readme_lists_every_rule():
@@ -362,6 +419,13 @@ def test_object_rules_find_their_keys():
     values = {"a/b/class": "AdamW", "a/b/group_of/w": "0" * 16, "c/class": "SGD", "class": 1, "group_of/v": 1}
     assert st.find(rule, {}, values) == ["", "a/b"]
     assert st.rules_for((1, 1)) == st.BY_VERSION[(1, 0)] and st.rules_for(None) == st.BY_VERSION[max(st.BY_VERSION)]
+    assert st.rules_for((1, 2)) == st.rules_for((1, 7)) == st.BY_VERSION[(1, 2)]
+    opt = st.OPTIMIZER_V1_2  # K/class with group_of/groups/state, or group_of/groups alone (K/class missing)
+    values = {"a/class": "SGD", "a/state/w/step": 1.0, "b/group_of/w": "0" * 16, "b/state/group_of/x": 1,
+              "c/class": "StepLR", "c/base_lrs": [0.1]}
+    assert st.find(opt, {}, values) == ["a", "b"]
+    tied = st.TIED_V1_2  # K/a/tied_to where K holds a tensor directly
+    assert st.find(tied, {"m/w": {}, "n/x/y": {}}, {"m/v/tied_to": "w", "n/v/tied_to": "w", "tied_to": 1}) == ["m/v"]
 
 
 def test_every_flipped_chunk_byte_is_caught_and_no_input_raises(sharded):

@@ -2,7 +2,8 @@
 
 Nothing in a checkpoint says "this is an optimizer": the keys do. Each
 ``ObjectRule`` finds the object keys ``K`` its layout marks (an optimizer has
-the value ``K/param_groups``, a sampler ``K/num_samples`` and ``K/segments``,
+the value ``K/param_groups`` in 1.0/1.1, ``K/class`` and ``K/group_of/...`` or
+``K/groups/...`` since 1.2; a sampler ``K/num_samples`` and ``K/segments``,
 ...) and checks the values and tensor entries under ``K`` against
 spec/schema/training-state-v1.schema.json and the prose rules.
 
@@ -14,8 +15,10 @@ newest version at most its own. A new layout in a new minor version is one new
 
 from __future__ import annotations
 
+import hashlib
+import json
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -29,11 +32,17 @@ SCHEMA = "training-state-v1.schema.json"
 MAX_WORLD = 1 << 20  # counts checked per sampler
 
 RULES: dict[str, tuple[str, str]] = {
-    "optimizer-layout": ("training-state.md 4.2", "an optimizer's keys are K/param_groups, K/state, K/state/<fqn> and K/state/<fqn>/<name>"),
-    "optimizer-param-groups": ("training-state.md 4.2", "each param group has params, an array of FQNs, and no param_names"),
-    "optimizer-fqn": ("training-state.md 4.1", "optimizer state is keyed by the FQNs that its param groups name"),
+    "optimizer-layout": ("training-state.md 4.2", "an optimizer's keys are those of 4.2 (1.2: K/class, K/group_of/<fqn>, K/groups/<id>/<hparam>, K/state/<fqn>/<name>) or, in 1.0/1.1, of 4.4 (K/param_groups, K/state/...)"),
+    "optimizer-param-groups": ("training-state.md 4.4", "each param group (1.0/1.1) has params, an array of FQNs, and no param_names"),
+    "optimizer-fqn": ("training-state.md 4.1", "optimizer state is keyed by the FQNs that its param groups name (1.0/1.1)"),
     "optimizer-state-entry": ("training-state.md 4.2", "a finite real 0-d state entry is a JSON number, a 0-d bool a JSON boolean"),
+    "optimizer-group-of": ("training-state.md 4.2", "every parameter with state (K/state/<fqn>) has a K/group_of/<fqn> (1.2)"),
+    "optimizer-group-missing": ("training-state.md 4.2", "every id that a K/group_of/<fqn> names has its K/groups/<id> (1.2)"),
+    "optimizer-group-id": ("training-state.md 4.2", "a group's id is the first 16 hex digits of the SHA-256 of its hyperparameters' canonical JSON (1.2)"),
+    "optimizer-legacy-layout": ("training-state.md 4.4", "a checkpoint of format 1.2 or later stores no K/param_groups (writers MUST NOT write the 1.0/1.1 layout)"),
+    "scheduler-class": ("training-state.md 5", "a scheduler's K/class (since 1.2) is its class name, a non-empty string"),
     "scheduler-pairs": ("training-state.md 5.4", "MultiStepLR's milestones (a dict with int keys) is an array of [key, value] pairs"),
+    "module-tied-to": ("training-state.md 3.3", "a tied entry K/a/tied_to (since 1.2) names a non-empty tensor stored at K/<name> of the same module"),
     "sampler-layout": ("rng-and-data.md 3.3", "a sampler's values have the types of 3.3, with a count for every rank r < world"),
     "sampler-counts": ("rng-and-data.md 3.2", "a segment has one count per rank of its world, and no count exceeds its slice"),
     "rng-layout": ("rng-and-data.md 2.1", "an RNG state is the integer tensors torch, numpy, python (and cuda), one row per rank"),
@@ -53,6 +62,7 @@ class Obj:
     tensors: dict[str, Any]  # rest of the flat key -> tensor entry
     add: Add
     read: Reader
+    all_tensors: dict[str, Any] = field(default_factory=dict)  # the whole index's tensor entries, by flat key
 
     def at(self, rest: str) -> str:
         return f"{self.key}/{rest}" if self.key and rest else (rest or self.key)
@@ -73,6 +83,13 @@ class ObjectRule:
     check: Callable[[Obj], None]
     on_tensors: bool = False
     any_of: tuple[str, ...] = ()  # and at least one of these
+    or_found_by: tuple[str, ...] = ()  # or K is found by one of these alone (ending in '/'); the check
+    # then reports what is missing (an optimizer's K/group_of/... without its K/class)
+    in_module: bool = False  # and K's parent (K less its last component) holds a tensor directly (a module)
+
+
+def _parent(key: str) -> str:
+    return key.rsplit("/", 1)[0] if "/" in key else ""
 
 
 def _split(key: str, marker: str) -> str | None:
@@ -88,11 +105,18 @@ def find(rule: ObjectRule, tensors: dict, values: dict) -> list[str]:
     where = tensors if rule.on_tensors else values
     below = {p for key in where for p in base.prefixes(key)}
     first = {k for k in (_split(key, rule.markers[0]) for key in where) if k is not None}
+    more = {k for m in rule.or_found_by for k in (_split(p, m[:-1]) for p in below) if k is not None}
+    if more:  # not below another K found (a parameter named group_of: K/state/group_of/...)
+        every = first | more
+        first |= {k for k in more if not (k and "" in every) and not any(p in every for p in base.prefixes(k))}
 
     def has(k: str, m: str) -> bool:
         key = f"{k}/{m}" if k else m
         return key[:-1] in below if m.endswith("/") else key in where
 
+    if rule.in_module:
+        holders = {_parent(key) for key in tensors}
+        first = {k for k in first if k and _parent(k) in holders}
     return sorted(k for k in first if all(has(k, m) for m in rule.markers[1:])
                   and (not rule.any_of or any(has(k, m) for m in rule.any_of)))
 
@@ -126,8 +150,13 @@ def check_optimizer_v1(o: Obj) -> None:
             if fqn not in names:
                 o.add("optimizer-fqn", o.at("state/" + parts[1]),
                       f"{o.at('state/' + parts[1])}: parameter {fqn!r} has state but no param group names it")
+    _state_numbers(o)
+
+
+def _state_numbers(o: Obj) -> None:
+    """4.2 rule 2: a finite real 0-d state entry is a JSON number (a bool a boolean), never a tensor."""
     for rest, e in sorted(o.tensors.items()):
-        if rest.count("/") == 2 and isinstance(e, dict) and e.get("shape") == [] and \
+        if rest.startswith("state/") and rest.count("/") == 2 and isinstance(e, dict) and e.get("shape") == [] and \
                 e.get("dtype") not in ("complex64", "complex128"):
             x = o.read(o.at(rest))
             if x is not None and bool(np.isfinite(x.astype("float64"))):
@@ -135,7 +164,96 @@ def check_optimizer_v1(o: Obj) -> None:
                       f"{x.item()!r}; a finite number is stored as a JSON number (a bool as a JSON boolean)")
 
 
+def group_id(hparams: Any) -> str | None:
+    """The id of a group's hyperparameters (training-state.md 4.2): the first 16
+    hex digits of the SHA-256 of Python's ``json.dumps(h, sort_keys=True,
+    separators=(",", ":"))``; None when they are not JSON data."""
+    try:
+        text = json.dumps(hparams, sort_keys=True, separators=(",", ":"), allow_nan=False)
+    except (TypeError, ValueError, RecursionError):
+        return None
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()[:16]
+
+
+def _is_id(x: Any) -> bool:
+    return isinstance(x, str) and len(x) == 16 and all(c in "0123456789abcdef" for c in x)
+
+
+def _hparams(o: Obj) -> dict[str, dict]:
+    """``{id: hyperparameters}`` rebuilt from the values K/groups/<id>[/<hparam>[/...]]
+    (key components unescaped); ids with a tensor below them are left out."""
+    out: dict[str, dict] = {}
+    for rest, v in sorted(o.values.items()):
+        parts = rest.split("/")
+        if parts[0] != "groups" or len(parts) < 2 or not _is_id(parts[1]):
+            continue
+        node = out.setdefault(parts[1], {})
+        names = [base.unescape(p) for p in parts[2:]]
+        for name in names[:-1]:
+            nxt = node.setdefault(name, {})
+            if not isinstance(nxt, dict):
+                break  # a prefix clash, reported by key-prefix-free
+            node = nxt
+        else:
+            if names:
+                node[names[-1]] = v
+    for rest in o.tensors:
+        parts = rest.split("/")
+        if parts[0] == "groups" and len(parts) >= 2:
+            out.pop(parts[1], None)  # a tensor hyperparameter: reported by the schema (a 0-d tensor is its number)
+    return out
+
+
+def check_optimizer_v1_2(o: Obj) -> None:
+    """The 1.2 layout (training-state.md 4.2): K/class, K/group_of/<fqn>, K/groups/<id>/<hparam>, K/state/<fqn>/..."""
+    o.schema("optimizerValues12", o.values, "optimizer-layout")
+    o.schema("optimizerTensors", o.tensors, "optimizer-layout")
+    group_of = {rest.split("/", 1)[1]: v for rest, v in o.values.items()
+                if rest.startswith("group_of/") and rest.count("/") == 1}
+    hparams = _hparams(o)
+    stored_ids = {rest.split("/")[1] for rest in [*o.values, *o.tensors] if rest.startswith("groups/")}
+    for fqn, gid in sorted(group_of.items()):
+        if _is_id(gid) and gid not in stored_ids:
+            o.add("optimizer-group-missing", o.at("group_of/" + fqn),
+                  f"{o.at('group_of/' + fqn)} names the group {gid!r}, but there is no {o.at('groups/' + gid)}: the "
+                  "hyperparameters of every id that group_of names are stored")
+    for gid, hp in sorted(hparams.items()):
+        want = group_id(hp)
+        if want is not None and want != gid:
+            o.add("optimizer-group-id", o.at("groups/" + gid),
+                  f"{o.at('groups/' + gid)}: the id of these hyperparameters is {want!r} (the first 16 hex digits of "
+                  "the SHA-256 of json.dumps(h, sort_keys=True, separators=(',', ':'))), not the stored one")
+    for fqn in sorted({rest.split("/")[1] for rest in [*o.values, *o.tensors]
+                       if rest.startswith("state/") and rest.count("/") >= 1}):
+        if fqn not in group_of:
+            o.add("optimizer-group-of", o.at("state/" + fqn),
+                  f"{o.at('state/' + fqn)}: parameter {base.unescape(fqn)!r} has state but no {o.at('group_of/' + fqn)}; "
+                  "every optimizer parameter has its group_of key")
+    _state_numbers(o)
+
+
+def check_optimizer_legacy_in_1_2(o: Obj) -> None:
+    """K/param_groups in a checkpoint of format 1.2 or later: writers MUST NOT
+    write the 1.0/1.1 layout (4.4). Its other rules still apply."""
+    o.add("optimizer-legacy-layout", o.at("param_groups"),
+          f"{o.at('param_groups')}: the 1.0/1.1 optimizer layout in a checkpoint of format 1.2 or later; writers store "
+          "K/class, K/group_of/<fqn> and K/groups/<id>/<hparam> instead (training-state.md 4.2)")
+    if "class" in o.values and any(rest.startswith(("group_of/", "groups/")) for rest in o.values):
+        return  # both layouts: the 1.2 rule reports the rest
+    check_optimizer_v1(o)
+
+
 # ------------------------------------------------------------------ LR schedulers (training-state.md 5)
+
+
+def check_scheduler_v1_2(o: Obj) -> None:
+    """Since 1.2 a scheduler's class name is the value K/class (5.0): a string.
+    A checkpoint without it is allowed (readers do not check the class then)."""
+    c = o.values.get("class", "?")
+    if not isinstance(c, str) or not c or base.schema_errors(SCHEMA, c, "schedulerClass"):
+        o.add("scheduler-class", o.at("class"), f"{o.at('class')} is {base.short(o.values['class'])}: a scheduler's "
+              "class is stored as its class name, a non-empty string (\"StepLR\")")
+    check_scheduler_v1(o)
 
 
 def check_scheduler_v1(o: Obj) -> None:
@@ -145,6 +263,34 @@ def check_scheduler_v1(o: Obj) -> None:
         if not ok:
             o.add("scheduler-pairs", o.at("milestones"), f"{o.at('milestones')} is {base.short(m)}: MultiStepLR's milestones "
                   "(a Counter of int keys) must be stored as an array of [key, value] arrays")
+
+
+# ------------------------------------------------------------------ tied module entries (training-state.md 3.3)
+
+
+def check_tied_v1_2(o: Obj) -> None:
+    """K/a/tied_to = s (K a module): s is the canonical name of a non-empty
+    tensor stored at K/<s>. Found (``in_module``) for every value key
+    K/a/tied_to where K holds a tensor directly, as a module does, so a plain
+    dict that happens to have a member tied_to is left alone."""
+    parent = _parent(o.key)
+    if set(o.values) != {"tied_to"} or o.tensors:
+        return  # more than a tie under K/a: nested data, not a tied entry
+    s = o.values["tied_to"]
+    where = o.at("tied_to")
+    if not isinstance(s, str) or not s or base.schema_errors(SCHEMA, s, "tiedTo"):
+        o.add("module-tied-to", where, f"{where} is {base.short(s)}: a tied entry holds the canonical name of the "
+              "tensor it is tied to, a non-empty string")
+        return
+    name = base.escape(s)
+    target = f"{parent}/{name}" if parent else (name or "")
+    entry = o.all_tensors.get(target) if name is not None else None
+    if not isinstance(entry, dict):
+        o.add("module-tied-to", where, f"{where} names {s!r}, but {target!r} is not a tensor of the same module: the "
+              "first of the tied entries is stored as a tensor under the module's key, the others name it")
+    elif isinstance(entry.get("shape"), list) and 0 in entry["shape"]:
+        o.add("module-tied-to", where, f"{where} names {s!r}, an empty tensor (shape {entry['shape']}): empty tensors "
+              "are never tied, each is stored")
 
 
 # ------------------------------------------------------------------ sampler (rng-and-data.md 3)
@@ -245,9 +391,18 @@ OPTIMIZER_V1 = ObjectRule("optimizer", ("param_groups",), check_optimizer_v1)
 SCHEDULER_V1 = ObjectRule("lr scheduler", ("base_lrs", "last_epoch"), check_scheduler_v1)
 SAMPLER_V1 = ObjectRule("sampler", ("num_samples", "segments", "version"), check_sampler_v1)
 RNG_V1 = ObjectRule("rng state", ("torch",), check_rng_v1, on_tensors=True, any_of=("numpy", "python"))
+# 1.2: optimizers by K/class with K/group_of/..., K/groups/... or K/state/... (one without parameters, only
+# K/class, has nothing else to check), or by K/group_of/... or K/groups/... alone (then K/class is missing);
+# K/param_groups is still found, to be reported (4.4)
+OPTIMIZER_V1_2 = ObjectRule("optimizer", ("class",), check_optimizer_v1_2, any_of=("group_of/", "groups/", "state/"),
+                            or_found_by=("group_of/", "groups/"))
+LEGACY_OPTIMIZER_V1_2 = ObjectRule("optimizer (1.0/1.1 layout)", ("param_groups",), check_optimizer_legacy_in_1_2)
+SCHEDULER_V1_2 = ObjectRule("lr scheduler", ("base_lrs", "last_epoch"), check_scheduler_v1_2)
+TIED_V1_2 = ObjectRule("tied entry", ("tied_to",), check_tied_v1_2, in_module=True)
 
 BY_VERSION: dict[tuple[int, int], tuple[ObjectRule, ...]] = {
     (1, 0): (OPTIMIZER_V1, SCHEDULER_V1, SAMPLER_V1, RNG_V1),
+    (1, 2): (OPTIMIZER_V1_2, LEGACY_OPTIMIZER_V1_2, SCHEDULER_V1_2, SAMPLER_V1, RNG_V1, TIED_V1_2),
 }
 
 
@@ -265,5 +420,5 @@ def check(version: tuple[int, int] | None, tensors: dict, values: dict, add: Add
     for rule in rules_for(version):
         for key in find(rule, tensors, values):
             found.append(f"{rule.name} at {key or '(top)'}")
-            rule.check(Obj(key, _under(values, key), _under(tensors, key), add, read))
+            rule.check(Obj(key, _under(values, key), _under(tensors, key), add, read, tensors))
     return found
