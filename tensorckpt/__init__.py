@@ -37,6 +37,7 @@ from .format.metadata import FORMAT_VERSION
 from .verify import VerifyReport, verify
 from .clean import CleanReport, clean
 from .manager import CheckpointManager, StepInfo
+from .interchange import convert
 from . import cli  # noqa: E402  (tensorckpt.cli.inspect is public)
 
 
@@ -57,4 +58,5 @@ __all__ = [
     "verify", "VerifyReport", "clean", "CleanReport",
     "CheckpointManager", "StepInfo",
     "register_adapter",
+    "convert",
 ]
