@@ -32,8 +32,8 @@ from collections.abc import Callable
 
 import torch
 
-from ..errors import TensorckptError
-from ..storage import location
+from ..errors import CheckpointExistsError, TensorckptError
+from ..storage import kv, location
 from . import core
 
 FORMATS = ("tensorckpt", "dcp", "safetensors", "torch")
@@ -148,10 +148,9 @@ def convert(
             raise TensorckptError(f"dtype={dtype!r} is not a torch dtype (e.g. bfloat16, float16)")
         dtype = cast
     memory = options.pop("memory_bytes", None) or core.DEFAULT_MEMORY_BYTES
-    if to != "tensorckpt" and os.path.lexists(location.parse(os.fspath(dst)).path):
-        from ..errors import CheckpointExistsError
-
-        raise CheckpointExistsError(f"{dst}: already exists; choose a new destination or remove it first")
+    dloc = location.parse(os.fspath(dst) if not isinstance(dst, str) else dst)
+    if kv.exists(dloc):  # checked before the source is read; the commit checks again
+        raise CheckpointExistsError(f"{dst}: already exists; convert writes a new destination: remove it or choose another")
     with open_source(src, fmt) as source:
         if to == "tensorckpt":
             return core.write_tensorckpt(source, dst, sel=sel, dtype=dtype, progress=progress, memory_bytes=memory,

@@ -285,9 +285,11 @@ def write_tensorckpt(
     c = commit.begin(loc, False, commit.new_token())
     stats = engine_save.SaveStats()
     try:
-        for part, state, held in _batches(source, tensors, plan.entries, dtype, max(memory_bytes, 1), bar):
+        batches = _batches(source, tensors, plan.entries, dtype, max(memory_bytes, 1), bar)
+        for part, state, held in batches:
             engine_save._write_local(state, part, c.write_to, 0, stats)
             report.largest_batch_bytes = max(report.largest_batch_bytes, held)
+            del part, state  # before the next batch is read
         # the last part: no data, only every group's zarr.json (values' groups too)
         engine_save._write_local({}, _Part(plan.entries, {k: -1 for k in plan.entries}, plan.values), c.write_to, 0, stats)
         stats.bytes_written = sum(e.nbytes for e in plan.entries.values())
@@ -326,9 +328,9 @@ def _batches(source: Source, tensors: list[SourceTensor], entries: dict[str, Ten
             data = read_cast(source, t, 0, t.shape[0] if t.shape else 1, d)
             bar.update(t.ref.nbytes)
             _check_read(source, t, data)
+            state[t.path], data = data, None
             part.entries[key], part.meta_writers[key] = e, 0
             part.regions.append((key, Box.full(t.shape)))
-            state[t.path] = data
             held += nbytes
             continue
         if held:
@@ -341,11 +343,10 @@ def _batches(source: Source, tensors: list[SourceTensor], entries: dict[str, Ten
             _check_read(source, t, data, b - a)
             box = Box((a,) + (0,) * (len(t.shape) - 1), tuple(data.shape))
             part.entries[key] = e
-            if i == 0:
-                part.meta_writers[key] = 0
+            part.meta_writers[key] = 0 if i == 0 else -1  # its zarr.json once, with the first slab
             part.regions.append((key, box))
             state[t.path] = ShardedTensor(data, t.shape, box.offset)
-            held = data.numel() * data.element_size()
+            held, data = data.numel() * data.element_size(), None
             yield flush()
     if held or part.regions:
         yield flush()

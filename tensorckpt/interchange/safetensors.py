@@ -224,10 +224,25 @@ def write(source: Source, tensors: list[SourceTensor], dst: str, *, max_shard_si
             size = 0
         plan[-1].append((t.key, t, d, nbytes))
         size += nbytes
+    if dst.endswith(".safetensors"):  # one file, whatever its size
+        plan = [[item for shard in plan for item in shard]]
     n = len(plan)
     names = [SINGLE_NAME] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
+    bar = Progress(sum(t.ref.nbytes for t in tensors), "export", progress)
+    if dst.endswith(".safetensors"):
+        if os.path.lexists(dst):
+            raise CheckpointExistsError(f"{dst}: already exists; choose a new destination or remove it first")
+        parent, base = os.path.split(os.path.abspath(dst))
+        tmp = os.path.join(parent, f".{base}.tensorckpt-convert-{os.getpid()}-{os.urandom(3).hex()}")
+        try:
+            _write_file(source, tmp, plan[0], memory_bytes, bar, metadata)
+            os.rename(tmp, dst)
+        finally:
+            bar.close()
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+        return [base]
     with staging_dir(dst) as stage:
-        bar = Progress(sum(t.ref.nbytes if t.ref is not None else t.nbytes for t in tensors), "export", progress)
         try:
             for name, shard in zip(names, plan):
                 _write_file(source, os.path.join(stage, name), shard, memory_bytes, bar, metadata)
