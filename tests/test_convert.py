@@ -98,41 +98,6 @@ def test_dcp_get_state_dict_layout_resumes_through_adapters(tmp_path):
         assert torch.equal(a, b), n
 
 
-def _dcp_fsdp_world(rank: int, world: int, path: str) -> None:
-    from torch.distributed.checkpoint.state_dict import get_state_dict
-    from torch.distributed.fsdp import fully_shard
-
-    m = _model(3)
-    for layer in (m[0], m[2]):
-        fully_shard(layer)
-    fully_shard(m)
-    opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
-    torch.manual_seed(11)
-    m(torch.randn(4, 6)).square().sum().backward()
-    opt.step()
-    msd, osd = get_state_dict(m, opt)
-    dcp.save({"model": msd, "optim": osd}, checkpoint_id=path)
-
-
-def test_sharded_dcp_from_fsdp2_becomes_logical_arrays(tmp_path):
-    path = str(tmp_path / "dcp")
-    dist.run(2, _dcp_fsdp_world, path, timeout=120)
-    assert len([n for n in os.listdir(path) if n.endswith(".distcp")]) == 2
-    # the reference: the same training in one process
-    m = _model(3)
-    opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
-    torch.manual_seed(11)
-    m(torch.randn(4, 6)).square().sum().backward()
-    opt.step()
-    tensorckpt.convert(path, tmp_path / "ck", progress=False)
-    m2 = _model(5)
-    opt2 = torch.optim.AdamW(m2.parameters(), lr=1e-2)
-    tensorckpt.load({"model": m2, "optim": opt2}, tmp_path / "ck")
-    for (n, a), (_, b) in zip(m.named_parameters(), m2.named_parameters()):
-        torch.testing.assert_close(a, b, msg=n)
-        torch.testing.assert_close(opt.state[a]["exp_avg_sq"], opt2.state[b]["exp_avg_sq"])
-
-
 class _Evil:
     def __init__(self, marker: str) -> None:
         self.marker = marker

@@ -35,6 +35,7 @@ import torch
 from ..errors import CheckpointExistsError, TensorckptError
 from ..storage import kv, location
 from . import core
+from .hf_load import load_safetensors
 
 FORMATS = ("tensorckpt", "dcp", "safetensors", "torch")
 OPTIONS = ("to_format", "only", "strip_prefix", "add_prefix", "max_shard_size", "memory_bytes",
@@ -175,4 +176,4 @@ def convert(
         return None
 
 
-__all__ = ["convert", "detect", "FORMATS"]
+__all__ = ["convert", "detect", "load_safetensors", "FORMATS"]
