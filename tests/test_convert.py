@@ -1,5 +1,5 @@
 """Import into tensorckpt (``tensorckpt.convert``): torch DCP directories
-(plain, get_state_dict model + optimizer layout, sharded by FSDP2 at world 2),
+(plain, get_state_dict model + optimizer layout; FSDP2-sharded ones: test_hf_load_dist.py),
 Hugging Face safetensors (one file, sharded with an index), torch.save files;
 the restricted unpickler and weights_only refusals; bounded memory measured
 in a subprocess; the CLI. About 15 s on a loaded 2-core machine.
@@ -17,14 +17,10 @@ import pytest
 import torch
 from torch import nn
 
+import tensorckpt
+from tensorckpt import cli
+
 _TESTS = os.path.dirname(os.path.abspath(__file__))
-if _TESTS not in sys.path:  # spawned workers import this module by name
-    sys.path.insert(0, _TESTS)
-
-import dist  # noqa: E402
-
-import tensorckpt  # noqa: E402
-from tensorckpt import cli  # noqa: E402
 
 dcp = pytest.importorskip("torch.distributed.checkpoint")
 

@@ -22,9 +22,9 @@ _TESTS = os.path.dirname(os.path.abspath(__file__))
 if _TESTS not in sys.path:  # spawned workers import this module by name
     sys.path.insert(0, _TESTS)
 
-import dist  # noqa: E402
+import dist
 
-import tensorckpt  # noqa: E402
+import tensorckpt
 
 transformers = pytest.importorskip("transformers")
 

@@ -176,4 +176,4 @@ def convert(
         return None
 
 
-__all__ = ["convert", "detect", "load_safetensors", "FORMATS"]
+__all__ = ["FORMATS", "convert", "detect", "load_safetensors"]

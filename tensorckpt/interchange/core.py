@@ -276,7 +276,7 @@ def write_tensorckpt(
         tensors=plan.entries,
         values=plan.values,
         library_version=__version__,
-        created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        created=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         world_size=1,
         user_metadata=user,
     )

@@ -49,7 +49,15 @@ import torch
 from ..errors import CorruptCheckpointError, TensorckptError, UnsupportedValueError
 from ..format import dtypes
 from ..layout import tiling
-from .core import Path, Progress, Source, SourceTensor, read_cast, slabs, unsupported_dtype
+from .core import (
+    Path,
+    Progress,
+    Source,
+    SourceTensor,
+    read_cast,
+    slabs,
+    unsupported_dtype,
+)
 
 METADATA_NAME = ".metadata"
 _MD = "torch.distributed.checkpoint.metadata"
@@ -106,7 +114,10 @@ class DCPSource(Source):
     """A DCP checkpoint directory (module docstring)."""
 
     def __init__(self, path: str) -> None:
-        from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
+        from torch.distributed.checkpoint.metadata import (
+            BytesStorageMetadata,
+            TensorStorageMetadata,
+        )
 
         self.description = path
         self.path = path
@@ -315,8 +326,13 @@ def write(source: Source, tensors: list[SourceTensor], values: dict[Path, object
     each FQN (key path joined by ``.``) to its key path."""
     from torch.distributed.checkpoint.filesystem import _StorageInfo
     from torch.distributed.checkpoint.metadata import (
-        BytesStorageMetadata, ChunkStorageMetadata, Metadata, MetadataIndex, StorageMeta,
-        TensorProperties, TensorStorageMetadata,
+        BytesStorageMetadata,
+        ChunkStorageMetadata,
+        Metadata,
+        MetadataIndex,
+        StorageMeta,
+        TensorProperties,
+        TensorStorageMetadata,
     )
 
     from .core import cast_dtype

@@ -114,8 +114,8 @@ def _walk(node, prefix: Path, src: TorchSaveSource, where: str) -> None:
 def write_torch_save(source: Source, tensors: list[SourceTensor], values: dict[Path, object], dst: str,
                      dtype: torch.dtype | None, progress: bool | None) -> None:
     """One ``torch.save`` file of the nested state (module docstring)."""
-    from .core import cast_dtype
     from ..adapters.state import unflatten
+    from .core import cast_dtype
 
     if os.path.lexists(dst):
         raise CheckpointExistsError(f"{dst}: already exists; choose a new destination or remove it first")
