@@ -26,6 +26,7 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -55,7 +56,7 @@ class SourceTensor:
     path: Path
     dtype: torch.dtype
     shape: tuple[int, ...]
-    ref: object = None
+    ref: Any = None  # the source's handle; for a selected tensor, the source's SourceTensor
 
     @property
     def key(self) -> str:
@@ -81,6 +82,11 @@ class Source:
 
     def read(self, t: SourceTensor, start: int, stop: int) -> torch.Tensor:
         raise NotImplementedError
+
+    def row_align(self, t: SourceTensor) -> int:
+        """Reads of ``t`` starting at multiples of this many rows read each
+        stored byte once (a tensorckpt source: its inner chunks' rows)."""
+        return 1
 
     def close(self) -> None:
         pass
@@ -164,8 +170,10 @@ def read_cast(source: Source, t: SourceTensor, start: int, stop: int, dtype: tor
     return data if data.dtype == dtype else data.to(dtype)
 
 
-def slabs(rows: int, rows_per: int) -> Iterator[tuple[int, int]]:
-    rows_per = max(1, rows_per)
+def slabs(rows: int, rows_per: int, align: int = 1) -> Iterator[tuple[int, int]]:
+    """Row ranges ``[a, b)`` covering ``rows``: ``rows_per`` rows each,
+    rounded down to a multiple of ``align`` (at least ``align``)."""
+    rows_per = max(align, rows_per - rows_per % align)
     for a in range(0, max(rows, 1), rows_per):
         yield a, min(rows, a + rows_per)
 

@@ -131,7 +131,8 @@ class DCPSource(Source):
         for info in storage.values():
             self._check_info(info, sizes)
         planner = md.planner_data if isinstance(md.planner_data, dict) else {}
-        self.tensors, raw_values, self._cache = [], {}, {}
+        self.tensors, raw_values = [], {}
+        self._cache: dict[tuple, torch.Tensor] = {}
         for fqn, m in sd.items():
             kp = planner.get(fqn, (fqn,))
             if not isinstance(kp, (tuple, list)) or not kp or not all(isinstance(p, (str, int)) for p in kp):
@@ -339,7 +340,9 @@ def write(source: Source, tensors: list[SourceTensor], values: dict[Path, object
     from .safetensors import staging_dir
 
     name = "__0_0.distcp"
-    sd, storage, planner = {}, {}, {}
+    sd: dict[str, TensorStorageMetadata | BytesStorageMetadata] = {}
+    storage: dict = {}
+    planner: dict = {}
     with staging_dir(dst) as stage:
         bar = Progress(sum(t.ref.nbytes for t in tensors), "export", progress)
         try:
@@ -358,7 +361,7 @@ def write(source: Source, tensors: list[SourceTensor], values: dict[Path, object
                     chunks = []
                     rows = t.shape[0] if t.shape else 1
                     row = max(1, math.prod(t.shape[1:]) * dtypes.for_torch(d).itemsize)
-                    for a, b in slabs(rows, memory_bytes // row):
+                    for a, b in slabs(rows, memory_bytes // row, source.row_align(t.ref) if t.shape else 1):
                         data = read_cast(source, t, a, b, d).contiguous()
                         offsets = torch.Size((a,) + (0,) * (len(t.shape) - 1)) if t.shape else torch.Size(())
                         at, length = put(data)

@@ -47,6 +47,10 @@ class CheckpointSource(Source):
             return self.ckpt.read(t.ref)
         return self.ckpt.read(t.ref, index=(slice(start, stop),))
 
+    def row_align(self, t: SourceTensor) -> int:
+        e = self.ckpt.index.tensors[t.ref]
+        return e.inner_chunk_shape[0] if e.inner_chunk_shape else 1
+
 
 class TorchSaveSource(Source):
     """The tensors and values of a ``torch.save`` file (module docstring)."""

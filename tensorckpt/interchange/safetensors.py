@@ -274,7 +274,7 @@ def _write_file(source: Source, path: str, shard, memory_bytes: int, bar: Progre
                 bar.update(t.ref.nbytes)
                 continue
             row = max(1, nbytes // max(1, t.shape[0]))
-            for a, b in slabs(t.shape[0], memory_bytes // row):
+            for a, b in slabs(t.shape[0], memory_bytes // row, source.row_align(t.ref)):
                 if b <= a:
                     continue
                 data = read_cast(source, t, a, b, d).contiguous()
