@@ -54,7 +54,7 @@ from .core import (
     Progress,
     Source,
     SourceTensor,
-    read_cast,
+    prefetch,
     slabs,
     unsupported_dtype,
 )
@@ -225,6 +225,11 @@ class DCPSource(Source):
         fqn, chunks = t.ref
         if not t.shape:
             return self._chunk(t, chunks[0], final=True).clone()
+        whole = [c for c in chunks if c[0][0] <= start and c[0][0] + c[1][0] >= stop and c[1][1:] == t.shape[1:]]
+        if whole:  # one chunk holds these rows whole: no copy
+            (offsets, sizes), = whole[:1]
+            data = self._chunk(t, (offsets, sizes), final=offsets[0] + sizes[0] <= stop)
+            return data[start - offsets[0] : stop - offsets[0]]
         out = torch.empty((stop - start,) + t.shape[1:], dtype=t.dtype)
         for offsets, sizes in chunks:
             a, b = offsets[0], offsets[0] + sizes[0]
@@ -318,6 +323,21 @@ def _plain(v):
 # ------------------------------------------------------------------- export
 
 
+def _jobs(source: Source, tensors: list[SourceTensor], dtype, slab_bytes: int):
+    """Each tensor whole, or in slabs of rows of at most ``slab_bytes``
+    (one DCP chunk each); an empty tensor is one empty chunk."""
+    from .core import cast_dtype
+
+    for t in tensors:
+        d = cast_dtype(t, dtype)
+        if not t.shape:
+            yield t, 0, 1, d
+            continue
+        row = max(1, math.prod(t.shape[1:]) * dtypes.for_torch(d).itemsize)
+        for a, b in slabs(t.shape[0], slab_bytes // row, source.row_align(t.ref)):
+            yield t, a, b, d
+
+
 def write(source: Source, tensors: list[SourceTensor], values: dict[Path, object], dst: str, *,
           dtype: torch.dtype | None, memory_bytes: int, progress: bool | None) -> None:
     """A DCP checkpoint directory at ``dst`` (new) that
@@ -336,7 +356,6 @@ def write(source: Source, tensors: list[SourceTensor], values: dict[Path, object
         TensorStorageMetadata,
     )
 
-    from .core import cast_dtype
     from .safetensors import staging_dir
 
     name = "__0_0.distcp"
@@ -354,21 +373,16 @@ def write(source: Source, tensors: list[SourceTensor], values: dict[Path, object
                     f.write(buf.getbuffer())
                     return at, f.tell() - at
 
-                for t in tensors:
+                chunks: dict[str, list] = {}
+                for (t, a, b, d), data in prefetch(source, _jobs(source, tensors, dtype, memory_bytes // 2)):
                     fqn = ".".join(t.path)
                     planner[fqn] = t.path
-                    d = cast_dtype(t, dtype)
-                    chunks = []
-                    rows = t.shape[0] if t.shape else 1
-                    row = max(1, math.prod(t.shape[1:]) * dtypes.for_torch(d).itemsize)
-                    for a, b in slabs(rows, memory_bytes // row, source.row_align(t.ref) if t.shape else 1):
-                        data = read_cast(source, t, a, b, d).contiguous()
-                        offsets = torch.Size((a,) + (0,) * (len(t.shape) - 1)) if t.shape else torch.Size(())
-                        at, length = put(data)
-                        chunks.append(ChunkStorageMetadata(offsets=offsets, sizes=torch.Size(data.shape)))
-                        storage[MetadataIndex(fqn, offsets)] = _StorageInfo(name, at, length)
-                        bar.update((b - a) * t.ref.row_bytes if t.shape else t.ref.nbytes)
-                    sd[fqn] = TensorStorageMetadata(TensorProperties(dtype=d), torch.Size(t.shape), chunks)
+                    offsets = torch.Size((a,) + (0,) * (len(t.shape) - 1)) if t.shape else torch.Size(())
+                    at, length = put(data.contiguous())
+                    chunks.setdefault(fqn, []).append(ChunkStorageMetadata(offsets=offsets, sizes=torch.Size(data.shape)))
+                    storage[MetadataIndex(fqn, offsets)] = _StorageInfo(name, at, length)
+                    sd[fqn] = TensorStorageMetadata(TensorProperties(dtype=d), torch.Size(t.shape), chunks[fqn])
+                    bar.update((b - a) * t.ref.row_bytes if t.shape else t.ref.nbytes)
                 for path, v in values.items():
                     fqn = ".".join(path)
                     planner[fqn] = path

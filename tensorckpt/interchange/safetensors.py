@@ -28,7 +28,7 @@ import torch
 
 from ..errors import CheckpointExistsError, CorruptCheckpointError, TensorckptError
 from ..format import dtypes
-from .core import Progress, Source, SourceTensor, read_cast, slabs, unsupported_dtype
+from .core import Progress, Source, SourceTensor, prefetch, slabs, unsupported_dtype
 
 MAX_HEADER_BYTES = 100_000_000
 INDEX_NAME = "model.safetensors.index.json"
@@ -267,21 +267,26 @@ def _write_file(source: Source, path: str, shard, memory_bytes: int, bar: Progre
     raw += b" " * (-(8 + len(raw)) % 8)  # data starts 8-byte aligned, as safetensors writes it
     with open(path, "wb") as f:
         f.write(len(raw).to_bytes(8, "little") + raw)
-        for key, t, d, nbytes in shard:
-            if not t.shape:
-                data = read_cast(source, t, 0, 1, d)
-                f.write(_bytes_view(data.contiguous()).tobytes())
-                bar.update(t.ref.nbytes)
-                continue
-            row = max(1, nbytes // max(1, t.shape[0]))
-            for a, b in slabs(t.shape[0], memory_bytes // row, source.row_align(t.ref)):
-                if b <= a:
-                    continue
-                data = read_cast(source, t, a, b, d).contiguous()
-                f.write(memoryview(_bytes_view(data)))
-                bar.update((b - a) * t.ref.row_bytes)
+        for (t, a, b, d), data in prefetch(source, _jobs(source, shard, memory_bytes // 2)):
+            if not data.is_contiguous():
+                data = data.contiguous()
+            f.write(memoryview(_bytes_view(data)))
+            bar.update((b - a) * t.ref.row_bytes if t.shape else t.ref.nbytes)
         f.flush()
         os.fsync(f.fileno())
+
+
+def _jobs(source: Source, shard, slab_bytes: int):
+    """The reads making up a shard's data, in file order: whole small
+    tensors, slabs of rows of at most ``slab_bytes`` of larger ones."""
+    for _, t, d, nbytes in shard:
+        if not t.shape:
+            yield t, 0, 1, d
+            continue
+        row = max(1, nbytes // max(1, t.shape[0]))
+        for a, b in slabs(t.shape[0], slab_bytes // row, source.row_align(t.ref)):
+            if b > a:
+                yield t, a, b, d
 
 
 def _write_small(path: str, data: bytes) -> None:
