@@ -57,6 +57,13 @@ def _world(rank: int, world: int, hf_dir: str, dcp_dir: str | None):
         opt.step()
         msd, osd = get_state_dict(model, opt)
         dcp.save({"model": msd, "optim": osd}, checkpoint_id=dcp_dir)
+        # a tensor-parallel column split: every rank's chunk spans all rows
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.tensor import Shard, distribute_tensor
+
+        mesh = init_device_mesh("cpu", (world,))
+        cols = distribute_tensor(torch.arange(70.0).reshape(7, 10), mesh, [Shard(1)])
+        dcp.save({"tp": {"w": cols}}, checkpoint_id=dcp_dir + "-tp")
     # numpy: torch.multiprocessing would pass tensors as shared memory, gone once the worker exits
     return stats.bytes_read, stats.bytes_needed, logits.numpy(), {k: v.numpy() for k, v in full.items()} if rank == 0 else None
 
@@ -79,7 +86,7 @@ WORLDS = [int(w) for w in os.environ.get("TENSORCKPT_HF_WORLDS", "3").split(",")
 
 
 @pytest.mark.parametrize("world", WORLDS)
-def test_fsdp2_ranks_read_only_their_shards(hf, world):
+def test_fsdp2_ranks_read_only_their_shards(hf, world, monkeypatch):
     base, ref = hf
     dcp_dir = str(base / f"dcp{world}")
     out = dist.run(world, _world, str(base / "hf"), dcp_dir, timeout=180)
@@ -93,6 +100,14 @@ def test_fsdp2_ranks_read_only_their_shards(hf, world):
     print(f"world {world}: bytes read per rank {[r for r, *_ in out]} (needed {[n for _, n, _, _ in out]}, model {total})")
     for k, v in ref.state_dict().items():
         assert torch.equal(torch.from_numpy(out[0][3][k]), v), k
+    # column chunks, read in slabs of 2 rows (stored objects of 80 bytes): each chunk is loaded once
+    from tensorckpt.interchange.dcp import DCPSource
+
+    loads, load = [], DCPSource._load
+    monkeypatch.setattr(DCPSource, "_load", lambda self, fqn, offsets, *a: loads.append((fqn, offsets)) or load(self, fqn, offsets, *a))
+    tensorckpt.convert(dcp_dir + "-tp", base / f"tp{world}", memory_bytes=100, shard_bytes=80, progress=False)
+    assert sorted(loads) == sorted({(f, o) for f, o in loads}) and len(loads) == world  # 4 slabs, each chunk read once
+    assert torch.equal(tensorckpt.open(base / f"tp{world}").read("tp/w"), torch.arange(70.0).reshape(7, 10))
     # the run's DCP checkpoint (one .distcp file per rank) -> tensorckpt -> a plain model and optimizer
     assert len([n for n in os.listdir(dcp_dir) if n.endswith(".distcp")]) == world
     tensorckpt.convert(dcp_dir, base / f"from-dcp{world}", progress=False)
