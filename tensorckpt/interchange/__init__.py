@@ -28,6 +28,7 @@ Key mapping per format: :mod:`.dcp`, :mod:`.safetensors`, :mod:`.native`.
 from __future__ import annotations
 
 import os
+import warnings
 from collections.abc import Callable
 
 import torch
@@ -162,6 +163,11 @@ def convert(
         out = location.parse(os.fspath(dst)).path
         if to == "safetensors":
             from . import safetensors
+
+            if values:  # safetensors holds tensors only
+                shown = ", ".join(repr(core.flat_key(p)) for p in list(values)[:5])
+                warnings.warn(f"{src}: {len(values)} non-tensor value(s) are not written to safetensors: {shown}"
+                              f"{' ...' if len(values) > 5 else ''} (select tensors with only=)", stacklevel=2)
 
             return safetensors.write(source, tensors, out, max_shard_size=options.get("max_shard_size") or "5GB",
                                      dtype=dtype, memory_bytes=memory, progress=progress)

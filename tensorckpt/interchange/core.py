@@ -13,9 +13,10 @@ the next is read. Memory bound: a batch holds at most ``memory_bytes / 2``
 of tensor data (``memory_bytes`` defaults to 256 MiB) or one stored object
 (``shard_bytes``, default 64 MiB) if that is larger; a tensor larger than
 that is read and written in slabs of whole stored objects along its first
-dimension. With the writer's encoding buffers the process grows by about
-``memory_bytes`` plus a few MiB (tests/test_convert.py measures it: 160 MiB
-converted with a 16 MiB bound grew the process by about 40 MiB). Exports
+dimension. With the writer's encoding buffers and threads the process
+grows by about ``memory_bytes`` plus 20 MiB (measured peak RSS: a 160 MiB
+state with a 16 MiB bound, +35 MiB importing and +27 MiB exporting; 96 MiB
+with 8 MiB, +31 and +21; tests/test_convert.py checks the latter). Exports
 (safetensors, DCP) likewise read the next slab of at most ``memory_bytes /
 2`` while writing the current one. Every source byte is read once and
 every stored byte written once.
