@@ -57,15 +57,16 @@ def _no_leftovers(parent) -> None:
 
 def test_dcp_plain_state_dict_maps_key_for_key(tmp_path):
     sd = {"layers.0.weight": torch.randn(5, 3), "emb": torch.arange(12, dtype=torch.int64).reshape(3, 4),
-          "half": torch.randn(7, dtype=torch.bfloat16), "scalar": torch.tensor(2.5)}
+          "half": torch.randn(7, dtype=torch.bfloat16), "scalar": torch.tensor(2.5), "empty": torch.zeros(0, 4)}
     _dcp_save(sd, tmp_path / "dcp")
     report = tensorckpt.convert(tmp_path / "dcp", tmp_path / "ck", progress=False)
-    assert report.tensors == 4 and report.bytes_read == sum(t.numel() * t.element_size() for t in sd.values())
+    assert report.tensors == 5 and report.bytes_read == sum(t.numel() * t.element_size() for t in sd.values())
     ck = tensorckpt.open(tmp_path / "ck")
     assert ck.keys() == sorted(sd)  # "layers.0.weight" is one key component: a dot never splits
     for k, v in sd.items():
         assert torch.equal(ck.read(k), v) and ck.read(k).dtype == v.dtype
     assert tensorckpt.verify(tmp_path / "ck").ok
+    assert ck.metadata.user_metadata["converted_from"] == {"format": "dcp", "path": str(tmp_path / "dcp")}
 
 
 def test_dcp_get_state_dict_layout_resumes_through_adapters(tmp_path):
@@ -143,15 +144,16 @@ def test_safetensors_single_and_sharded_with_index(tmp_path):
     from safetensors.torch import save_file
 
     sd = {"model.embed.weight": torch.randn(10, 4), "model.norm.weight": torch.randn(4, dtype=torch.bfloat16),
-          "lm_head.weight": torch.randn(10, 4, dtype=torch.float16), "count": torch.tensor([3, 4], dtype=torch.int32)}
+          "lm_head.weight": torch.randn(10, 4, dtype=torch.float16), "count": torch.tensor([3, 4], dtype=torch.int32),
+          "zero_d": torch.tensor(1.5), "none": torch.zeros(3, 0)}
     save_file(sd, str(tmp_path / "one.safetensors"))
     tensorckpt.convert(tmp_path / "one.safetensors", tmp_path / "a", progress=False)
     shards = tmp_path / "hf"
     shards.mkdir()
     names = sorted(sd)
-    save_file({k: sd[k] for k in names[:2]}, str(shards / "model-00001-of-00002.safetensors"))
-    save_file({k: sd[k] for k in names[2:]}, str(shards / "model-00002-of-00002.safetensors"))
-    wm = {k: f"model-0000{1 if i < 2 else 2}-of-00002.safetensors" for i, k in enumerate(names)}
+    save_file({k: sd[k] for k in names[:3]}, str(shards / "model-00001-of-00002.safetensors"))
+    save_file({k: sd[k] for k in names[3:]}, str(shards / "model-00002-of-00002.safetensors"))
+    wm = {k: f"model-0000{1 if i < 3 else 2}-of-00002.safetensors" for i, k in enumerate(names)}
     (shards / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": wm}))
     tensorckpt.convert(shards, tmp_path / "b", progress=False, add_prefix="model/")
     a, b = tensorckpt.open(tmp_path / "a"), tensorckpt.open(tmp_path / "b")

@@ -125,7 +125,8 @@ def convert(
     ``progress``: a bar on stderr (None: only when stderr is a terminal).
     Options: ``max_shard_size`` (safetensors, default ``"5GB"``),
     ``memory_bytes`` (the bound on tensor data held, default 256 MiB),
-    ``shard_bytes``, ``inner_chunk_bytes``, ``metadata`` (tensorckpt).
+    ``shard_bytes``, ``inner_chunk_bytes``, ``metadata`` (tensorckpt: kept in
+    the checkpoint's metadata beside ``converted_from``: source format and path).
     Returns an :class:`~tensorckpt.interchange.core.ImportReport` for a
     tensorckpt destination, the file names for safetensors.
     """
@@ -158,7 +159,8 @@ def convert(
             return core.write_tensorckpt(source, dst, sel=sel, dtype=dtype, progress=progress, memory_bytes=memory,
                                          shard_bytes=options.get("shard_bytes"),
                                          inner_chunk_bytes=options.get("inner_chunk_bytes"),
-                                         metadata=options.get("metadata"))
+                                         metadata={"converted_from": {"format": fmt, "path": str(src)},
+                                                   **(options.get("metadata") or {})})
         tensors, values = core.select(source, sel)
         out = location.parse(os.fspath(dst)).path
         if to == "safetensors":
