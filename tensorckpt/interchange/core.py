@@ -14,9 +14,10 @@ of tensor data (``memory_bytes`` defaults to 256 MiB) or one stored object
 (``shard_bytes``, default 64 MiB) if that is larger; a tensor larger than
 that is read and written in slabs of whole stored objects along its first
 dimension. With the writer's encoding buffers and threads the process
-grows by about ``memory_bytes`` plus 20 MiB (measured peak RSS: a 160 MiB
-state with a 16 MiB bound, +35 MiB importing and +27 MiB exporting; 96 MiB
-with 8 MiB, +31 and +21; tests/test_convert.py checks the latter). Exports
+grows by about ``memory_bytes`` plus 25 MiB (measured peak RSS after a
+warm-up: a 160 MiB state with a 16 MiB bound, +35 MiB importing and +27 MiB
+exporting; 96 MiB with 8 MiB, +32 and +12; tests/test_convert.py checks
+the latter stays under 40 MiB). Exports
 (safetensors, DCP) likewise read the next slab of at most ``memory_bytes /
 2`` while writing the current one. Every source byte is read once and
 every stored byte written once.
@@ -32,7 +33,7 @@ import time
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -46,7 +47,7 @@ from ..format.keys import flat_key, split_flat_key
 from ..format.metadata import RootMetadata, TensorEntry, check_value, root_group_json
 from ..layout import grid
 from ..layout.boxes import Box
-from ..layout.plan import LocalItem, LocalPlan, build_save_plan
+from ..layout.plan import LocalItem, LocalItems, LocalPlan, build_save_plan
 from ..storage import commit, location
 
 DEFAULT_MEMORY_BYTES = 256 << 20
@@ -133,13 +134,15 @@ class Selection:
             new = self.rename(key)
             if new is not None and not isinstance(new, str):
                 raise TensorckptError(f"rename({key!r}) returned {new!r}; it must return a str key or None")
-            key = new
+            return new or None
         return key or None
 
 
 def select(source: Source, sel: Selection) -> tuple[list[SourceTensor], dict[Path, object]]:
     """The source's tensors and values under their destination key paths."""
-    tensors, values, seen = [], {}, {}
+    tensors: list[SourceTensor] = []
+    values: dict[Path, object] = {}
+    seen: dict[str, str] = {}
     for t in source.tensors:
         key = sel.apply(t.key)
         if key is None:
@@ -213,7 +216,7 @@ class Progress:
         self.enabled = on
         if on:
             try:
-                from tqdm import tqdm
+                from tqdm import tqdm  # type: ignore[import-untyped]
             except ImportError:
                 tqdm = None
             if tqdm is not None:
@@ -299,8 +302,8 @@ def write_tensorckpt(
         key = flat_key(p)
         json_values[key] = check_value(v, key)
     shard = shard_bytes or grid.DEFAULT_SHARD_BYTES
-    plan = build_save_plan([LocalPlan(0, items, json_values)], shard, inner_chunk_bytes or grid.DEFAULT_INNER_BYTES)
-    user = check_value(dict(metadata or {}), "metadata")
+    plan = build_save_plan([LocalPlan(0, LocalItems.of(items), json_values)], shard, inner_chunk_bytes or grid.DEFAULT_INNER_BYTES)
+    user = cast(dict, check_value(dict(metadata or {}), "metadata"))  # a dict stays a dict
     meta = RootMetadata(
         tensors=plan.entries,
         values=plan.values,
@@ -320,13 +323,14 @@ def write_tensorckpt(
             for part, state, held in _batches(source, tensors, plan.entries, dtype, max(memory_bytes // 2, 1), bar):
                 if writing is not None:
                     writing.result()
-                writing = pool.submit(engine_save._write_local, state, part, c.write_to, 0, stats)
+                writing = pool.submit(engine_save._write_local, state, part, c.write_to, 0, stats)  # type: ignore[arg-type]
                 report.largest_batch_bytes = max(report.largest_batch_bytes, held)
                 del part, state  # the writer holds them until it is done
             if writing is not None:
                 writing.result()
         # the last part: no data, only every group's zarr.json (values' groups too)
-        engine_save._write_local({}, _Part(plan.entries, {k: -1 for k in plan.entries}, plan.values), c.write_to, 0, stats)
+        groups = _Part(plan.entries, {k: -1 for k in plan.entries}, plan.values)
+        engine_save._write_local({}, groups, c.write_to, 0, stats)  # type: ignore[arg-type]
         stats.bytes_written = sum(e.nbytes for e in plan.entries.values())
         results = [(None, {p: round(stats.seconds.get(p, 0.0), 6) for p in engine_save.PHASES[:4]}, stats.bytes_written)]
         commit.finish(c, root_group_json(dataclasses.replace(meta, save_stats=engine_save._stats_doc(results))))
@@ -344,7 +348,8 @@ def _batches(source: Source, tensors: list[SourceTensor], entries: dict[str, Ten
              dtype: torch.dtype | None, memory_bytes: int, bar: Progress):
     """Yield (part, state, bytes held): whole tensors grouped up to
     ``memory_bytes``, or slabs of whole stored objects of a larger tensor."""
-    part, state, held = _Part({}, {}, {}), {}, 0
+    part, held = _Part({}, {}, {}), 0
+    state: dict[Path, object] = {}
 
     def flush():
         nonlocal part, state, held
@@ -363,7 +368,8 @@ def _batches(source: Source, tensors: list[SourceTensor], entries: dict[str, Ten
             data = read_cast(source, t, 0, t.shape[0] if t.shape else 1, d)
             bar.update(t.ref.nbytes)
             _check_read(source, t, data)
-            state[t.path], data = data, None
+            state[t.path] = data
+            del data
             part.entries[key], part.meta_writers[key] = e, 0
             part.regions.append((key, Box.full(t.shape)))
             held += nbytes
@@ -381,7 +387,8 @@ def _batches(source: Source, tensors: list[SourceTensor], entries: dict[str, Ten
             part.meta_writers[key] = 0 if i == 0 else -1  # its zarr.json once, with the first slab
             part.regions.append((key, box))
             state[t.path] = ShardedTensor(data, t.shape, box.offset)
-            held, data = data.numel() * data.element_size(), None
+            held = data.numel() * data.element_size()
+            del data
             yield flush()
     if held or part.regions:
         yield flush()

@@ -222,7 +222,7 @@ class DCPSource(Source):
         return self._load(fqn, None, "value")
 
     def read(self, t: SourceTensor, start: int, stop: int) -> torch.Tensor:
-        fqn, chunks = t.ref
+        _, chunks = t.ref
         if not t.shape:
             return self._chunk(t, chunks[0], final=True).clone()
         whole = [c for c in chunks if c[0][0] <= start and c[0][0] + c[1][0] >= stop and c[1][1:] == t.shape[1:]]

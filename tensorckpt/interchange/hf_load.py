@@ -140,7 +140,7 @@ def _read_all(source: SafetensorsSource, reads, stats: LoadStats) -> None:
             continue
         direct = t.device.type == "cpu" and t.dtype == st.dtype and t.is_contiguous() and not t.requires_grad
         buf = t if direct else torch.empty(box.shape, dtype=st.dtype)
-        view = memoryview(buf.reshape(-1).view(torch.uint8).numpy())
+        view = memoryview(buf.reshape(-1).view(torch.uint8).numpy())  # type: ignore[arg-type]
         starts, run = byte_ranges(st.shape, box, itemsize)
         fd = source._fds.get(file)
         if fd is None:

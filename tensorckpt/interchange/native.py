@@ -62,7 +62,8 @@ class TorchSaveSource(Source):
             raise UnsupportedValueError(
                 f"{path}: holds a {type(obj).__name__}; only a dict (a state dict or a nest of them) can be converted"
             )
-        self.tensors, self.values, self._data = [], {}, {}
+        self.tensors, self.values = [], {}
+        self._data: dict[Path, torch.Tensor] = {}
         _walk(obj, (), self, path)
 
     def read(self, t: SourceTensor, start: int, stop: int) -> torch.Tensor:

@@ -18,6 +18,7 @@ A tensor key is its safetensors name as one key component
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import os
@@ -64,7 +65,8 @@ class SafetensorsSource(Source):
     def __init__(self, path: str) -> None:
         self.description = path
         files, index = _files(path)
-        self.tensors, self.values, self._fds = [], {}, {}
+        self.tensors, self.values = [], {}
+        self._fds: dict[str, int] = {}
         self.metadata: dict[str, str] = {}
         names: dict[str, str] = {}
         for f in files:
@@ -89,7 +91,7 @@ class SafetensorsSource(Source):
             fd = self._fds[file] = os.open(file, os.O_RDONLY)
         rows = stop - start if t.shape else 1
         out = torch.empty(((rows,) + t.shape[1:]) if t.shape else (), dtype=t.dtype)
-        buf = memoryview(_bytes_view(out))
+        buf = memoryview(_bytes_view(out))  # type: ignore[arg-type]
         offset, done = at + start * t.row_bytes, 0
         while done < len(buf):
             n = os.preadv(fd, [buf[done:]], offset + done)
@@ -167,11 +169,11 @@ def read_header(path: str) -> tuple[dict[str, tuple[torch.dtype, tuple[int, ...]
     if not isinstance(meta, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in meta.items()):
         raise CorruptCheckpointError(f"{path}: '__metadata__' must map strings to strings")
     start, out, spans = 8 + n, {}, []
-    for name, e in doc.items():
+    for name, ent in doc.items():
         where = f"{path}: tensor {name!r}"
-        if not isinstance(e, dict) or set(e) - {"dtype", "shape", "data_offsets"} or len(e) != 3:
+        if not isinstance(ent, dict) or set(ent) - {"dtype", "shape", "data_offsets"} or len(ent) != 3:
             raise CorruptCheckpointError(f"{where}: an entry must have exactly 'dtype', 'shape' and 'data_offsets'")
-        name_dt, shape, offs = e["dtype"], e["shape"], e["data_offsets"]
+        name_dt, shape, offs = ent["dtype"], ent["shape"], ent["data_offsets"]
         if not isinstance(name_dt, str) or name_dt not in DTYPES:
             if isinstance(name_dt, str) and name_dt in KNOWN_UNSTORABLE:
                 raise unsupported_dtype(name_dt, name, path, list(DTYPES))
@@ -190,7 +192,7 @@ def read_header(path: str) -> tuple[dict[str, tuple[torch.dtype, tuple[int, ...]
         if nbytes:
             spans.append((offs[0], offs[1], name))
     spans.sort()
-    for (a0, a1, an), (b0, b1, bn) in zip(spans, spans[1:]):
+    for (a0, a1, an), (b0, b1, bn) in itertools.pairwise(spans):
         if b0 < a1:
             raise CorruptCheckpointError(f"{path}: tensors {an!r} {[a0, a1]} and {bn!r} {[b0, b1]} overlap")
     return out, start, size, meta
@@ -270,7 +272,7 @@ def _write_file(source: Source, path: str, shard, memory_bytes: int, bar: Progre
         for (t, a, b, d), data in prefetch(source, _jobs(source, shard, memory_bytes // 2)):
             if not data.is_contiguous():
                 data = data.contiguous()
-            f.write(memoryview(_bytes_view(data)))
+            f.write(memoryview(_bytes_view(data)))  # type: ignore[arg-type]
             bar.update((b - a) * t.ref.row_bytes if t.shape else t.ref.nbytes)
         f.flush()
         os.fsync(f.fileno())
