@@ -112,3 +112,14 @@ def test_export_to_torch_save(trained, tmp_path):
     assert all(torch.equal(a, b) for a, b in zip(fresh.parameters(), model.parameters()))
     with pytest.raises(tensorckpt.CheckpointExistsError):
         tensorckpt.convert(base / "ck", tmp_path / "model.pt", progress=False)
+
+
+def test_tensorckpt_to_tensorckpt_selects_and_casts(trained, tmp_path):
+    base, cfg, model = trained
+    tensorckpt.convert(base / "ck", tmp_path / "bf16", only="model/", dtype=torch.bfloat16, progress=False)
+    ck = tensorckpt.open(tmp_path / "bf16")
+    sd = model.state_dict()
+    assert ck.keys() == sorted(f"model/{k}" for k in sd)
+    for k, v in sd.items():
+        assert torch.equal(ck.read(f"model/{k}"), v.to(torch.bfloat16)), k
+    assert tensorckpt.verify(tmp_path / "bf16").ok

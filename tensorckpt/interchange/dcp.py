@@ -133,6 +133,7 @@ class DCPSource(Source):
         planner = md.planner_data if isinstance(md.planner_data, dict) else {}
         self.tensors, raw_values = [], {}
         self._cache: dict[tuple, torch.Tensor] = {}
+        self._fds: dict[str, int] = {}
         for fqn, m in sd.items():
             kp = planner.get(fqn, (fqn,))
             if not isinstance(kp, (tuple, list)) or not kp or not all(isinstance(p, (str, int)) for p in kp):
@@ -201,22 +202,29 @@ class DCPSource(Source):
 
     # -- data
     def _load(self, fqn: str, offsets, what: str = "tensor"):
+        """``torch.load(weights_only=True)`` of one stored item, read in place
+        from its byte range (no intermediate copy of the whole item)."""
         info = self._where[(fqn, offsets)]
         file = os.path.join(self.path, info.relative_path)
-        with open(file, "rb") as f:
-            f.seek(info.offset)
-            data = f.read(info.length)
-        if len(data) != info.length:
-            raise CorruptCheckpointError(f"{file}: {what} {fqn!r} is cut short (truncated?)")
+        fd = self._fds.get(file)
+        if fd is None:
+            fd = self._fds[file] = os.open(file, os.O_RDONLY)
         try:
-            return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+            return torch.load(io.BufferedReader(_Slice(fd, info.offset, info.length, file), 1 << 20),
+                              map_location="cpu", weights_only=True)
         except pickle.UnpicklingError as e:
             raise UnsupportedValueError(
                 f"{file}: refused: {what} {fqn!r} is not plain data (torch.load(weights_only=True): "
                 f"{str(e).strip().splitlines()[0] if str(e).strip() else e})"
             ) from None
-        except Exception as e:
+        except Exception as e:  # a damaged archive raises anything
             raise CorruptCheckpointError(f"{file}: {what} {fqn!r} cannot be read ({type(e).__name__}: {e})") from None
+
+    def close(self) -> None:
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds = {}
+        self._cache = {}
 
     def _value(self, fqn: str):
         return self._load(fqn, None, "value")
@@ -276,6 +284,39 @@ class DCPSource(Source):
                     continue
             keep.append(t)
         self.tensors = keep
+
+
+class _Slice(io.RawIOBase):
+    """The byte range ``[start, start + length)`` of an open file, as a
+    seekable read-only stream (what ``torch.load`` reads one item from)."""
+
+    def __init__(self, fd: int, start: int, length: int, name: str) -> None:
+        super().__init__()
+        self.fd, self.start, self.length, self.pos, self.name_ = fd, start, length, 0, name
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self.pos
+
+    def seek(self, offset: int, whence: int = 0) -> int:
+        base = {0: 0, 1: self.pos, 2: self.length}[whence]
+        self.pos = max(0, base + offset)
+        return self.pos
+
+    def readinto(self, b) -> int:
+        n = min(len(b), self.length - self.pos)
+        if n <= 0:
+            return 0
+        got = os.preadv(self.fd, [memoryview(b)[:n]], self.start + self.pos)
+        if got == 0:
+            raise CorruptCheckpointError(f"{self.name_}: an item is cut short at byte {self.start + self.pos} (truncated?)")
+        self.pos += got
+        return got
 
 
 def _assemble(raw: dict[tuple, object]) -> dict[Path, object]:
