@@ -148,3 +148,15 @@ def test_sharded_tensor_boxes_and_plain_tensors_in_process(tmp_path):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         tensorckpt.load_safetensors({"nope": torch.zeros(1)}, tmp_path / "m.safetensors", strict=False)
+
+
+def test_modules_inside_a_state_dict(tmp_path):
+    from safetensors.torch import save_file
+
+    torch.manual_seed(0)
+    src = torch.nn.Linear(4, 3)
+    save_file(src.state_dict(), str(tmp_path / "m.safetensors"))
+    dst = torch.nn.Linear(4, 3)
+    tensorckpt.load_safetensors({"model": dst, "step": 3}, tmp_path / "m.safetensors",
+                                rename=lambda k: k.removeprefix("model/"))
+    assert torch.equal(dst.weight, src.weight) and torch.equal(dst.bias, src.bias)

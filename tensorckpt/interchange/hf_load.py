@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 import numpy as np
 import torch
@@ -66,16 +66,18 @@ def load_safetensors(
     stats: LoadStats | None = None,
 ):
     """Fill the tensors of ``state`` (a dict of tensors, DTensors,
-    ShardedTensors, or a ``torch.nn.Module``: its ``state_dict()``) from the
+    ShardedTensors and modules, or a ``torch.nn.Module``: the tensors of its
+    ``state_dict()``, keyed ``name`` or ``key/name`` in a dict) from the
     safetensors file or HF directory ``hf_dir``, each rank reading only the
     byte ranges of its own part (module docstring). A state key ``k`` reads
     the tensor named ``rename(k)`` (default: ``k``; None skips the key).
     ``cast``: convert a stored dtype to the target's (else a mismatch is an
     :class:`IncompatibleStateError`). ``strict``: a state key the files lack
-    is an error (else it is left as it is). Returns ``state``."""
+    is an error (else it is left as it is; e.g. a tied ``lm_head.weight``
+    the files omit). Returns ``state``."""
     g = Group(process_group)
     stats = stats if stats is not None else LoadStats()
-    target = state.state_dict() if isinstance(state, torch.nn.Module) else state
+    target = _tensors_of(state)
     plan, err = capture(_plan, target, os.fspath(hf_dir), rename, cast, strict)
     everyone = g.all_gather(err)
     for rank, e in enumerate(everyone):
@@ -89,6 +91,16 @@ def load_safetensors(
     for rank, e in enumerate(everyone):
         reraise(e, rank if g.distributed else None)
     return state
+
+
+def _tensors_of(node):
+    """The state with every ``torch.nn.Module`` replaced by its
+    ``state_dict()`` (whose tensors share the module's memory)."""
+    if isinstance(node, torch.nn.Module):
+        return node.state_dict()
+    if isinstance(node, Mapping):
+        return {k: _tensors_of(v) for k, v in node.items()}
+    return node
 
 
 def _plan(state, hf_dir: str, rename, cast: bool, strict: bool):
