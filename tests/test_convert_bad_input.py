@@ -109,8 +109,8 @@ def test_dcp_chunk_garbage_aborts_the_staged_checkpoint(tmp_path):
     """Damage found only while reading data (after the commit began): the
     staging directory is removed and nothing is committed."""
     path = _dcp(tmp_path, {"a": torch.ones(4), "w": torch.randn(8, 8)})
-    md = pickle.load(open(path / ".metadata", "rb"))
-    (idx, info), = [(i, s) for i, s in md.storage_data.items() if i.fqn == "w"]
+    md = pickle.loads((path / ".metadata").read_bytes())
+    (info,) = [s for i, s in md.storage_data.items() if i.fqn == "w"]
     with open(path / info.relative_path, "r+b") as f:
         f.seek(info.offset)
         f.write(b"\xff" * info.length)
@@ -124,10 +124,10 @@ def test_dcp_unstorable_dtype_and_bad_file_names(tmp_path):
     with pytest.raises(tensorckpt.UnsupportedValueError, match=r"'u' has dtype torch.uint16.*cannot store"):
         tensorckpt.convert(path, tmp_path / "ck", progress=False)
     path = _dcp(tmp_path, {"w": torch.ones(2)}, "dcp2")
-    md = pickle.load(open(path / ".metadata", "rb"))
+    md = pickle.loads((path / ".metadata").read_bytes())
     for info in md.storage_data.values():
         info.relative_path = "../../etc/passwd"
-    pickle.dump(md, open(path / ".metadata", "wb"))
+    (path / ".metadata").write_bytes(pickle.dumps(md))
     with pytest.raises(tensorckpt.CorruptCheckpointError, match="not a plain file name"):
         tensorckpt.convert(path, tmp_path / "ck", progress=False)
     _nothing_committed(tmp_path)

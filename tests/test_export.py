@@ -83,7 +83,7 @@ def test_sharded_bf16_export_with_index(trained):
 def test_export_to_dcp_is_read_by_dcp_load(trained, tmp_path):
     import torch.distributed.checkpoint as dcp
 
-    base, cfg, model = trained
+    base, _, model = trained
     tensorckpt.convert(base / "ck", tmp_path / "dcp", to_format="dcp", memory_bytes=20_000, progress=False)
     sd = model.state_dict()
     target = {"model": {k: torch.zeros_like(v) for k, v in sd.items()}, "step": 0}
@@ -97,7 +97,7 @@ def test_export_to_dcp_is_read_by_dcp_load(trained, tmp_path):
     tensorckpt.convert(tmp_path / "dcp", tmp_path / "again", progress=False)
     a, b = tensorckpt.open(base / "ck"), tensorckpt.open(tmp_path / "again")
     assert a.keys() == b.keys()
-    for k in a.keys():
+    for k in a.keys():  # noqa: SIM118 (Checkpoint.keys(), not a dict)
         va, vb = a.read(k), b.read(k)
         assert (torch.equal(va, vb) if isinstance(va, torch.Tensor) else va == vb), k
 
@@ -115,7 +115,7 @@ def test_export_to_torch_save(trained, tmp_path):
 
 
 def test_tensorckpt_to_tensorckpt_selects_and_casts(trained, tmp_path):
-    base, cfg, model = trained
+    base, _, model = trained
     tensorckpt.convert(base / "ck", tmp_path / "bf16", only="model/", dtype=torch.bfloat16, progress=False)
     ck = tensorckpt.open(tmp_path / "bf16")
     sd = model.state_dict()
