@@ -160,3 +160,19 @@ def test_modules_inside_a_state_dict(tmp_path):
     tensorckpt.load_safetensors({"model": dst, "step": 3}, tmp_path / "m.safetensors",
                                 rename=lambda k: k.removeprefix("model/"))
     assert torch.equal(dst.weight, src.weight) and torch.equal(dst.bias, src.bias)
+
+
+def test_boxes_of_3d_tensors_read_exactly_their_bytes(tmp_path):
+    from safetensors.torch import save_file
+
+    x = torch.arange(5 * 6 * 7, dtype=torch.int16).reshape(5, 6, 7)
+    save_file({"x": x}, str(tmp_path / "x.safetensors"))
+    boxes = [((0, 0, 0), (5, 6, 7)), ((1, 0, 0), (2, 6, 7)), ((0, 2, 0), (5, 3, 7)), ((1, 2, 3), (3, 4, 2)),
+             ((4, 5, 6), (1, 1, 1)), ((0, 0, 6), (5, 6, 1)), ((2, 0, 0), (0, 6, 7))]
+    for offset, shape in boxes:
+        box = tensorckpt.ShardedTensor(torch.full(shape, -1, dtype=torch.int16), (5, 6, 7), offset)
+        stats = tensorckpt.LoadStats()
+        tensorckpt.load_safetensors({"x": box}, tmp_path / "x.safetensors", stats=stats)
+        want = x[tuple(slice(o, o + s) for o, s in zip(offset, shape))]
+        assert torch.equal(box.local, want), (offset, shape)
+        assert stats.bytes_read == stats.bytes_needed == want.numel() * 2
