@@ -116,10 +116,12 @@ def test_export_to_torch_save(trained, tmp_path):
 
 def test_tensorckpt_to_tensorckpt_selects_and_casts(trained, tmp_path):
     base, _, model = trained
-    tensorckpt.convert(base / "ck", tmp_path / "bf16", only="model/", dtype=torch.bfloat16, progress=False)
+    tensorckpt.convert(base / "ck", tmp_path / "bf16", only="model/", dtype=torch.bfloat16, progress=False,
+                       memory_bytes=20_000, shard_bytes=8192)  # the larger tensors in slabs of stored objects
     ck = tensorckpt.open(tmp_path / "bf16")
     sd = model.state_dict()
     assert ck.keys() == sorted(f"model/{k}" for k in sd)
     for k, v in sd.items():
         assert torch.equal(ck.read(f"model/{k}"), v.to(torch.bfloat16)), k
     assert tensorckpt.verify(tmp_path / "bf16").ok
+    assert ck.index.tensors["model/model.embed_tokens.weight"].chunk_shape[0] < 128  # several stored objects

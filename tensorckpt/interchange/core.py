@@ -377,7 +377,11 @@ def _batches(source: Source, tensors: list[SourceTensor], entries: dict[str, Ten
         if held:
             yield flush()
         row_bytes = math.prod(t.shape[1:]) * _itemsize(d)
-        per = max(1, memory_bytes // max(1, e.chunk_shape[0] * row_bytes)) * e.chunk_shape[0]
+        unit = e.chunk_shape[0]  # whole stored objects; also whole source units (inner chunks) when they fit
+        both = math.lcm(unit, source.row_align(t.ref))
+        if both * row_bytes <= memory_bytes:
+            unit = both
+        per = max(1, memory_bytes // max(1, unit * row_bytes)) * unit
         for i, (a, b) in enumerate(slabs(t.shape[0], per)):
             data = read_cast(source, t, a, b, d)
             bar.update((b - a) * t.ref.row_bytes)
