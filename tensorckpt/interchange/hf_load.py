@@ -28,7 +28,8 @@ import torch
 
 from ..adapters.sharded import local_part
 from ..adapters.state import flatten
-from ..engine.group import Group, capture, reraise
+from .. import errors
+from ..engine.group import Group
 from ..engine.load import LoadStats
 from ..errors import CorruptCheckpointError, IncompatibleStateError
 from ..layout.boxes import Box
@@ -78,19 +79,37 @@ def load_safetensors(
     g = Group(process_group)
     stats = stats if stats is not None else LoadStats()
     target = _tensors_of(state)
-    plan, err = capture(_plan, target, os.fspath(hf_dir), rename, cast, strict)
-    everyone = g.all_gather(err)
-    for rank, e in enumerate(everyone):
-        reraise(e, rank if g.distributed else None)
-    source, reads = plan
+    source, reads = _together(g, _plan, target, os.fspath(hf_dir), rename, cast, strict)
     try:
-        _, err = capture(_read_all, source, reads, stats)
+        _together(g, _read_all, source, reads, stats)
     finally:
         source.close()
-    everyone = g.all_gather(err)
-    for rank, e in enumerate(everyone):
-        reraise(e, rank if g.distributed else None)
     return state
+
+
+def _together(g: Group, fn, *args):
+    """``fn(*args)`` on every rank; if it fails on any, every rank raises
+    (the failing rank its own error, the others one of the same class naming
+    that rank), so that no rank goes on alone. One all-gather."""
+    try:
+        result, err = fn(*args), None
+    except Exception as e:  # noqa: BLE001 - shared with every rank below
+        result, err = None, e
+    if not g.distributed:
+        if err is not None:
+            raise err
+        return result
+    everyone = g.all_gather(None if err is None else (type(err).__name__, str(err)))
+    for rank, failed in enumerate(everyone):
+        if failed is None:
+            continue
+        if err is not None:
+            raise err
+        cls = getattr(errors, failed[0], None)
+        if not (isinstance(cls, type) and issubclass(cls, errors.TensorckptError)):
+            cls = errors.TensorckptError
+        raise cls(f"(on rank {rank}) {failed[1]}")
+    return result
 
 
 def _tensors_of(node):
