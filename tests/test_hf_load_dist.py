@@ -47,6 +47,13 @@ def _world(rank: int, world: int, hf_dir: str, dcp_dir: str | None):
     with torch.no_grad():
         logits = model(input_ids=_ids()).logits
     full = {k: v.full_tensor() for k, v in model.state_dict().items()}
+    # a failure on one rank (rank 1 asks for a tensor the files lack) is raised on every rank
+    wrong = {"lm_head.weight" if rank != 1 else "no.such.weight": torch.zeros(128, 64)}
+    try:
+        tensorckpt.load_safetensors(wrong, hf_dir)
+        failed = None
+    except tensorckpt.IncompatibleStateError as e:
+        failed = str(e)
     if dcp_dir is not None:
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import get_state_dict
@@ -65,7 +72,8 @@ def _world(rank: int, world: int, hf_dir: str, dcp_dir: str | None):
         cols = distribute_tensor(torch.arange(70.0).reshape(7, 10), mesh, [Shard(1)])
         dcp.save({"tp": {"w": cols}}, checkpoint_id=dcp_dir + "-tp")
     # numpy: torch.multiprocessing would pass tensors as shared memory, gone once the worker exits
-    return stats.bytes_read, stats.bytes_needed, logits.numpy(), {k: v.numpy() for k, v in full.items()} if rank == 0 else None
+    return (stats.bytes_read, stats.bytes_needed, logits.numpy(), {k: v.numpy() for k, v in full.items()} if rank == 0 else None,
+            failed)
 
 
 @pytest.fixture(scope="module")
@@ -93,11 +101,13 @@ def test_fsdp2_ranks_read_only_their_shards(hf, world, monkeypatch):
     total = sum(v.numel() * v.element_size() for v in ref.state_dict().values())
     with torch.no_grad():
         want = ref(input_ids=_ids()).logits
-    for rank, (read, needed, logits, _) in enumerate(out):
+    assert all("no.such.weight" in failed for *_, failed in out)
+    assert all(failed.startswith("(on rank 1)") for rank, (*_, failed) in enumerate(out) if rank != 1)
+    for rank, (read, needed, logits, *_) in enumerate(out):
         assert read == needed  # not a byte of another rank's shard
         torch.testing.assert_close(torch.from_numpy(logits), want)
-    assert sum(n for _, n, _, _ in out) == total  # the shards partition the model
-    print(f"world {world}: bytes read per rank {[r for r, *_ in out]} (needed {[n for _, n, _, _ in out]}, model {total})")
+    assert sum(n for _, n, *_ in out) == total  # the shards partition the model
+    print(f"world {world}: bytes read per rank {[r for r, *_ in out]} (needed {[n for _, n, *_ in out]}, model {total})")
     for k, v in ref.state_dict().items():
         assert torch.equal(torch.from_numpy(out[0][3][k]), v), k
     # column chunks, read in slabs of 2 rows (stored objects of 80 bytes): each chunk is loaded once
