@@ -101,7 +101,7 @@ def read_metadata(path: str):
         raise TensorckptError(f"{path}: no {METADATA_NAME} here; not a DCP checkpoint directory") from None
     except UnsupportedValueError:
         raise
-    except Exception as e:  # a malformed pickle raises anything
+    except Exception as e:  # noqa: BLE001 - a malformed pickle raises anything
         raise CorruptCheckpointError(f"{where}: cannot be unpickled as DCP metadata ({type(e).__name__}: {e})") from None
     from torch.distributed.checkpoint.metadata import Metadata
 
@@ -217,7 +217,7 @@ class DCPSource(Source):
                 f"{file}: refused: {what} {fqn!r} is not plain data (torch.load(weights_only=True): "
                 f"{str(e).strip().splitlines()[0] if str(e).strip() else e})"
             ) from None
-        except Exception as e:  # a damaged archive raises anything
+        except Exception as e:  # noqa: BLE001 - a damaged archive raises anything
             raise CorruptCheckpointError(f"{file}: {what} {fqn!r} cannot be read ({type(e).__name__}: {e})") from None
 
     def close(self) -> None:

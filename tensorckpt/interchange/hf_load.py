@@ -26,9 +26,9 @@ from collections.abc import Callable, Mapping
 import numpy as np
 import torch
 
+from .. import errors
 from ..adapters.sharded import local_part
 from ..adapters.state import flatten
-from .. import errors
 from ..engine.group import Group
 from ..engine.load import LoadStats
 from ..errors import CorruptCheckpointError, IncompatibleStateError
