@@ -38,6 +38,7 @@ from .format.metadata import FORMAT_VERSION
 from .verify import VerifyReport, verify
 from .clean import CleanReport, clean
 from .manager import CheckpointManager, StepInfo
+from .interchange import convert, load_safetensors
 from . import cli  # noqa: E402  (tensorckpt.cli.inspect is public)
 
 
@@ -58,4 +59,5 @@ __all__ = [
     "verify", "VerifyReport", "clean", "CleanReport",
     "CheckpointManager", "StepInfo",
     "register_adapter",
+    "convert", "load_safetensors",
 ]

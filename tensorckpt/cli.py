@@ -7,6 +7,11 @@
                                        check every metadata document and read
                                        every chunk back; exit 1 if the
                                        checkpoint is incomplete or corrupt
+    tensorckpt convert SRC DST [--from FORMAT] [--to FORMAT] [--only PREFIX]
+                       [--strip-prefix P] [--add-prefix P] [--dtype D]
+                       [--max-shard-size 5GB] [--quiet]
+                                       torch DCP / safetensors / torch.save
+                                       <-> tensorckpt (tensorckpt.convert)
     tensorckpt clean PATH [--older-than SECONDS] [--dry-run] [--json]
                                        remove what interrupted saves left
                                        (spec 10.5: never a committed
@@ -49,6 +54,23 @@ def _size(n: int) -> str:
 
 def _name(s: str) -> str:
     return s if s and s.isprintable() and s.strip() == s and "/" not in s else repr(s)
+
+
+def convert(args, out=None) -> int:
+    """``tensorckpt convert``: :func:`tensorckpt.convert` with a progress bar."""
+    from .interchange import convert as convert_checkpoint
+
+    out = out or sys.stdout
+    options = {k: v for k, v in (("only", args.only), ("strip_prefix", args.strip_prefix), ("add_prefix", args.add_prefix),
+                                  ("max_shard_size", args.max_shard_size), ("to_format", args.to_format)) if v}
+    if args.memory_mib:
+        options["memory_bytes"] = args.memory_mib << 20
+    result = convert_checkpoint(args.src, args.dst, src_format=args.from_format, dtype=args.dtype,
+                                progress=False if args.quiet else None, **options)
+    detail = f" ({result.tensors} tensors, {result.values} values, {_size(result.bytes_read)} in {result.seconds:.1f} s)" \
+        if hasattr(result, "tensors") else ""
+    print(f"converted {args.src} -> {args.dst}{detail}", file=out)
+    return 0
 
 
 def inspect(path: str, as_json: bool = False, out=None) -> int:
@@ -209,6 +231,18 @@ def _seconds(text: str) -> float:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="tensorckpt", description="Inspect, verify and clean tensorckpt checkpoints.")
     sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("convert", help="convert torch DCP / safetensors / torch.save checkpoints to or from tensorckpt")
+    p.add_argument("src")
+    p.add_argument("dst")
+    p.add_argument("--from", dest="from_format", metavar="FORMAT", help="tensorckpt, dcp, safetensors or torch (default: detected)")
+    p.add_argument("--to", dest="to_format", metavar="FORMAT", help="default: tensorckpt (safetensors / torch from DST's suffix)")
+    p.add_argument("--only", action="append", metavar="PREFIX", help="keep only keys starting with PREFIX (repeatable)")
+    p.add_argument("--strip-prefix", metavar="P", help="remove P from the start of every key")
+    p.add_argument("--add-prefix", metavar="P", help="put P before every key")
+    p.add_argument("--dtype", metavar="D", help="cast floating-point tensors, e.g. bfloat16")
+    p.add_argument("--max-shard-size", metavar="SIZE", help="safetensors shard size (default 5GB)")
+    p.add_argument("--memory-mib", type=int, metavar="MIB", help="bound on tensor data held in memory (default 256)")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
     p = sub.add_parser("inspect", help="print the tree, format version and completeness of a checkpoint")
     p.add_argument("path")
     p.add_argument("--json", action="store_true", help="print the root index as JSON")
@@ -237,6 +271,8 @@ def main(argv: list[str] | None = None) -> int:
             return verify(args.path, args.json, args.quiet)
         if args.command == "clean":
             return clean(args.path, args.older_than, args.dry_run, args.json)
+        if args.command == "convert":
+            return convert(args)
         if args.command == "list":
             return list_steps(args.root, args.json)
         return inspect(args.path, args.json)
