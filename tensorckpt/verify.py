@@ -31,7 +31,7 @@ import tensorstore as ts
 from .checkpoint import Checkpoint, chunk_error, read_object
 from .errors import CorruptCheckpointError, IncompleteCheckpointError
 from .format import dtypes
-from .format.metadata import TensorEntry, loads
+from .format.metadata import loads
 from .layout.boxes import Box
 from .storage import arrays, direct, location
 

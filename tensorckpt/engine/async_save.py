@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 from ..adapters import registry
-from ..adapters.sharded import ShardedTensor, local_part
+from ..adapters.sharded import ShardedTensor, saved_part
 from ..adapters.state import flatten, unflatten
 from ..errors import TensorckptError
 from ..storage import location
@@ -199,8 +199,9 @@ def _stage(state: Mapping, pool: dict[str, torch.Tensor], stats: SaveStats) -> d
             leaves[leaf.path] = leaf.value  # flatten validated it and made a copy
             continue
         plain = is_plain(leaf.value)  # stays plain: the save checks that its replicas agree
-        t, shape, box = local_part(key, leaf.value)
+        t, shape, box = saved_part(key, leaf.value)  # a meta tensor: an empty box, held by other ranks
         check_tensor(key, t)
+        plain = plain and tuple(t.shape) == shape
         t = t.detach()
         buf = pool.get(key)
         if buf is None or buf.shape != t.shape or buf.dtype != t.dtype:

@@ -87,7 +87,11 @@ def digest(t: torch.Tensor) -> int:
 
 def digests_of(leaves: Mapping, rank: int) -> dict[str, int]:
     """The digest of every plain tensor among ``leaves`` (flat key -> Leaf)."""
-    return {key: digest(leaf.value) for key, leaf in leaves.items() if leaf.is_tensor and is_plain(leaf.value)}
+    return {
+        key: digest(leaf.value)
+        for key, leaf in leaves.items()
+        if leaf.is_tensor and is_plain(leaf.value) and not leaf.value.is_meta  # meta: held by other ranks
+    }
 
 
 def check_replicas(digests: list[Mapping[str, int]]) -> None:

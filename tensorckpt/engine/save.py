@@ -37,7 +37,7 @@ import torch
 
 from .. import __version__
 from ..adapters import registry
-from ..adapters.sharded import local_part
+from ..adapters.sharded import local_part, saved_part
 from ..adapters.state import flatten
 from ..errors import TensorckptError, UnsupportedValueError
 from ..format import dtypes
@@ -117,8 +117,14 @@ def save(
     check_options(options)
     g = Group(process_group)
     loc = location.parse(path)
-    state = registry.for_save(state, registry.Context(state, g.rank, g.size))
-    run(state, loc, g, overwrite, options, stats if stats is not None else SaveStats())
+    failed = None
+    try:
+        state = registry.for_save(state, registry.Context(state, g.rank, g.size))
+    except Exception as e:  # an adapter failed here: the others learn it through the first collective
+        if not g.distributed:
+            raise
+        failed = e
+    run(state, loc, g, overwrite, options, stats if stats is not None else SaveStats(), failed)
 
 
 def run(state: Mapping, loc: location.Location, g: Group, overwrite: bool, options: Mapping, stats: SaveStats,
@@ -215,7 +221,7 @@ def _local_plan(state: Mapping, g: Group, loc: location.Location, options: Mappi
     for key, leaf in leaves.items():
         if leaf.is_tensor:
             check_not_flat(key, leaf.value)
-            t, shape, box = local_part(key, leaf.value)
+            t, shape, box = saved_part(key, leaf.value)  # a meta tensor: held by other ranks
             check_tensor(key, t)
             items.append(LocalItem(key, dtypes.for_torch(t.dtype, key).torch_name, shape, box))
         else:

@@ -127,16 +127,6 @@ def optim_values(model, opt) -> dict[str, object]:
     return out
 
 
-ITEM_STRIDED = "issue 11 item 1: FSDP2 over TP (_StridedShard placements)"
-ITEM_PER_RANK_OPTIM = "issue 11 item 2: optimizers whose parameters differ per rank (EP/PP)"
-ITEM_META = "issue 11 item 3: loading into a meta-device model"
-ITEM_PREFIX = "issue 11 item 4: activation-checkpoint / DDP / compile wrapper prefixes"
-ITEM_LEGACY = "issue 11 item 5: legacy torch ShardedTensor"
-ITEM_EVERY_RANK = "issue 11 item 6: failures raised on every rank"
-ITEM_CAST = "issue 11 item 7: load(..., cast=True)"
-ITEM_PARTIAL = "issue 11 item 8: load(..., partial=True)"
-
-
 def fsdp2(model, m, children: bool = True, **kw):
     from torch.distributed.fsdp import fully_shard
 

@@ -12,7 +12,7 @@ import os
 
 import pytest
 import torch
-from _suite import ITEM_EVERY_RANK, ITEM_LEGACY, path, scenario
+from _suite import path, scenario
 
 import tensorckpt
 
@@ -111,12 +111,11 @@ def save_adapter_failure_w4(rank: int, world: int, base: str):
     return out
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=ITEM_EVERY_RANK)
 def test_save_error_in_an_adapter_on_one_rank(peer):
     """Port of test/distributed/checkpoint/test_checkpoint.py::TestDistributedFailure::test_save_error_handling
     (fail_prepare_local_plan on one rank, here an adapter's save_state failing on rank 2): every rank raises
-    the UnsupportedValueError. Today rank 2 raises it before the save's first collective and the other ranks
-    wait in that collective until the process group's timeout (a hang without one)."""
+    the UnsupportedValueError (it once hung: rank 2 raised before the save's first collective and the
+    others waited in it until the process group's timeout)."""
     outcomes = peer.all("w4", "save_adapter_failure_w4")
     assert outcomes == ["UnsupportedValueError"] * 4, outcomes
 
@@ -160,7 +159,6 @@ def test_load_error_handling_raised_everywhere_today(peer):
         assert r["missing_on_rank0"] == "IncompatibleStateError", r
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=ITEM_EVERY_RANK)
 def test_load_error_handling(peer):
     """Port of test/distributed/checkpoint/test_checkpoint.py::TestDistributedFailure::test_load_error_handling
     (fail_prepare_local_plan=[1], fail_read_data=[3]): a wrong shape on rank 3, a failed read on rank 1,
@@ -213,7 +211,6 @@ def legacy_sharded_tensor_w2(rank: int, world: int, base: str):
     return [(s.metadata.shard_offsets[0], s.tensor.numpy().copy()) for s in st.local_shards()]
 
 
-@pytest.mark.xfail(strict=True, raises=RuntimeError, reason=ITEM_LEGACY)
 def test_sharded_tensor_save_and_reshard(peer):
     """Port of test/distributed/checkpoint/test_checkpoint.py::TestDistributedFailure::test_dummy_writer_works
     / test_dummy_reader_works (a ``sharded_tensor.rand`` ChunkShardingSpec tensor, a replicated tensor and

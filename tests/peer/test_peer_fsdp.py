@@ -9,11 +9,8 @@ suite's own.
 from __future__ import annotations
 
 import numpy as np
-import pytest
 import torch
 from _suite import (
-    ITEM_META,
-    ITEM_STRIDED,
     fsdp2,
     materialized,
     mesh,
@@ -95,7 +92,6 @@ def test_fsdp_model_state_no_resharding_and_with_resharding(peer):
     same(peer.get("w1_load", "fsdp_model_state_w1"), saved, "world 1")
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=ITEM_META)
 def test_fsdp_model_state_into_meta_model(peer):
     """Port of test/distributed/checkpoint/test_fsdp_model_state.py::FsdpModelStateCheckpoint::_test_fsdp_model_state
     (its model is built on the meta device): loading into an FSDP2 module still on meta materializes it."""
@@ -395,14 +391,12 @@ def test_dsd_without_fsdp_tp(peer):
     _dsd_check(peer, {(s, d) for s, d in ALL_PAIRS if "fsdp_tp" not in (s, d)})
 
 
-@pytest.mark.xfail(strict=True, raises=tensorckpt.UnsupportedValueError, reason=ITEM_STRIDED)
 def test_save_with_fsdp2_tp_and_load_with_tp(peer):
     """Port of test/distributed/checkpoint/fsdp/test_fsdp_dsd.py::TestFullyShardWithDistributedStateDict::test_save_with_fsdp2_tp_and_load_with_tp:
     FSDP2 x TP (2x2) saved, loaded with TP at worlds 4 and 2, FSDP2 at worlds 4 and 2, and in one process."""
     _dsd_check(peer, {("fsdp_tp", d) for d in ("plain", "tp", "fsdp")})
 
 
-@pytest.mark.xfail(strict=True, raises=tensorckpt.UnsupportedValueError, reason=ITEM_STRIDED)
 def test_save_with_tp_and_load_with_fsdp2_tp(peer):
     """Port of test/distributed/checkpoint/fsdp/test_fsdp_dsd.py::TestFullyShardWithDistributedStateDict::test_save_with_tp_and_load_with_fsdp2_tp
     and ::test_save_with_fsdp1_and_load_with_fsdp2_tp (FSDP1 as FSDP2; plain as the "full" state dict):

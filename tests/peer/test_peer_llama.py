@@ -18,9 +18,8 @@ gradients across ranks); measured differences are ~1e-6.
 from __future__ import annotations
 
 import numpy as np
-import pytest
 import torch
-from _suite import ITEM_STRIDED, mesh, path, scenario
+from _suite import mesh, path, scenario
 
 import tensorckpt
 
@@ -186,7 +185,6 @@ def _check(peer, source: str) -> None:
             np.testing.assert_allclose(losses, reference, rtol=RTOL, err_msg=where)
 
 
-@pytest.mark.xfail(strict=True, raises=tensorckpt.UnsupportedValueError, reason=ITEM_STRIDED)
 def test_llama_fsdp2_x_tp_resumes_in_other_layouts(peer):
     """End to end (issue 11; after e2e/test_e2e_save_and_load.py::TestE2ESaveAndLoad::test_e2e with its
     disabled FSDP_TP model type): tiny Llama, FSDP2 x TP on a 2x2 mesh, AdamW, saved at step 3; resumed in

@@ -14,8 +14,6 @@ import pytest
 import torch
 from _suite import (
     FULL,
-    ITEM_META,
-    ITEM_PREFIX,
     full,
     materialized,
     mesh,
@@ -198,7 +196,6 @@ def test_ddp_loads_into_ddp(peer):
         same(r["optim"], ref["optim"])
 
 
-@pytest.mark.xfail(strict=True, raises=tensorckpt.IncompatibleStateError, reason=ITEM_PREFIX)
 def test_ddp_checkpoint_loads_into_plain_model(peer):
     """Port of test/distributed/checkpoint/test_state_dict.py::TestStateDict::test_ddp (DCP's state dicts drop
     DDP's ``module.`` prefix): the DDP checkpoint loads into the unwrapped model."""
@@ -208,11 +205,10 @@ def test_ddp_checkpoint_loads_into_plain_model(peer):
     same(r["optim"], ref["optim"])
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=ITEM_PREFIX)
 def test_ddp_keys_are_the_plain_models(peer):
     """Port of test/distributed/checkpoint/test_state_dict.py::TestStateDict::test_activation_ckpt_fqns_ddp (the key half):
     a DDP model's checkpoint keys are the plain model's."""
-    keys = {k for k in peer.get("w4", "state_dict_ddp_w4")["keys"] if not k.startswith("optim/param_groups")}
+    keys = {k for k in peer.get("w4", "state_dict_ddp_w4")["keys"] if _named(k)}
     assert keys == _plain_keys(), sorted(keys ^ _plain_keys())[:6]
 
 
@@ -235,15 +231,21 @@ def _wrapper_keys(kind: str) -> set[str]:
     opt.step()
     with tempfile.TemporaryDirectory() as d:
         tensorckpt.save({"model": model, "optim": opt}, f"{d}/c")
-        return {k for k in tensorckpt.open(f"{d}/c").keys() if not k.startswith("optim/param_groups")}
+        return {k for k in tensorckpt.open(f"{d}/c").keys() if _named(k)}
+
+
+def _named(key: str) -> bool:
+    """Keys named by module and parameter FQNs (the optimizer's group ids and class are not)."""
+    return key.startswith(("model/", "optim/state/", "optim/group_of/"))
 
 
 def _plain_keys() -> set[str]:
     keys = {f"model/{k}" for k in Composite().state_dict()}
-    return keys | {f"optim/state/{n}/{s}" for n, _ in Composite().named_parameters() for s in ("exp_avg", "exp_avg_sq", "step")}
+    names = [n for n, _ in Composite().named_parameters()]
+    return keys | {f"optim/state/{n}/{s}" for n in names for s in ("exp_avg", "exp_avg_sq", "step")} | {
+        f"optim/group_of/{n}" for n in names}
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=ITEM_PREFIX)
 @pytest.mark.parametrize("kind", ["checkpoint", "compile"])
 def test_wrapper_prefixes_are_removed(kind):
     """Port of test/distributed/checkpoint/test_state_dict.py::TestStateDict::test_activation_ckpt_fqns_fsdp1
@@ -520,7 +522,6 @@ def meta_model_w4(rank: int, world: int, base: str):
     return materialized(model)
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=ITEM_META)
 def test_setting_meta_device_model(peer):
     """Port of test/distributed/checkpoint/test_state_dict.py::TestStateDict::test_setting_meta_device_model:
     a plain checkpoint loads into an FSDP2 model built on the meta device (materialized on the CPU)."""
