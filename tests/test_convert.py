@@ -78,9 +78,16 @@ def test_dcp_get_state_dict_layout_resumes_through_adapters(tmp_path):
     tensorckpt.convert(tmp_path / "dcp", tmp_path / "ck", progress=False)
     ck = tensorckpt.open(tmp_path / "ck")
     assert "optim/state/0.weight/exp_avg" in ck and ck.read("optim/state/0.weight/step") == 2.0
-    groups = ck.read("optim/param_groups")
-    assert groups[0]["params"] == ["0.weight", "0.bias", "1.weight", "1.bias", "2.weight", "2.bias"]
-    assert "param_names" not in groups[0] and groups[0]["betas"] == [0.9, 0.999]
+    # param groups in the 1.2 layout (training-state.md 4.2): per parameter, no class (DCP records none)
+    names = ["0.weight", "0.bias", "1.weight", "1.bias", "2.weight", "2.bias"]
+    gid = ck.read("optim/group_of/0.weight")
+    assert {ck.read(f"optim/group_of/{n}") for n in names} == {gid}
+    assert ck.read(f"optim/groups/{gid}/betas") == [0.9, 0.999] and "optim/class" not in ck
+    assert not any(k.startswith("optim/param_groups") or k.endswith("param_names") for k in ck.keys())
+    from conformance import validate
+
+    report = validate.validate(tmp_path / "ck")
+    assert report.status == "clean" and not report.violations, validate.render(report)
     # resume: a fresh model and optimizer loaded from the conversion step exactly like the original
     m2 = _model(seed=1)
     opt2 = torch.optim.AdamW(m2.parameters(), lr=1e-2)

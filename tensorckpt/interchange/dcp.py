@@ -24,9 +24,10 @@ in ``planner_data``, each flat FQN's key path: ``model.layers.0.weight``
 -> ``("model", "layers.0.weight")``. That path is the tensorckpt key path
 (flat key ``model/layers.0.weight``); without planner data a FQN is one
 key component, key for key. Key paths through lists (an int component)
-rebuild the list: ``optim.param_groups.0.lr`` -> the value
-``optim/param_groups`` = ``[{"lr": ..., ...}]``, with ``param_names``
-dropped. The optimizer layout of DCP's ``get_state_dict`` (``optim.state.<fqn>.<name>``)
+rebuild the list: ``optim.param_groups.0.lr`` -> ``[{"lr": ..., ...}]``,
+which is then stored per parameter as format 1.2 does
+(``optim/group_of/<fqn>``, ``optim/groups/<id>/<hparam>``; ``param_names``
+dropped; DCP records no optimizer class, so ``optim/class`` is absent). The optimizer layout of DCP's ``get_state_dict`` (``optim.state.<fqn>.<name>``)
 is thus spec/training-state.md's ``optim/state/<fqn>/<name>``, and a
 0-d ``step`` tensor under it becomes the JSON number that layout stores: a
 checkpoint saved with ``dcp.save({"model": msd, "optim": osd})`` after
@@ -147,6 +148,7 @@ class DCPSource(Source):
                 raise CorruptCheckpointError(f"{where}: {fqn!r} has unknown storage metadata {type(m).__name__}")
         self.values = _assemble(raw_values)
         self._numbers_for_optimizer_steps()
+        self.values = _per_parameter_groups(self.values)
 
     # -- checks
     def _check_info(self, info, sizes: dict[str, int]) -> None:
@@ -338,6 +340,32 @@ def _assemble(raw: dict[tuple, object]) -> dict[Path, object]:
         if base and base[-1] == "param_groups" and isinstance(value, list):
             value = [{k: g for k, g in group.items() if k != "param_names"} if isinstance(group, dict) else group for group in value]
         out[base] = value
+    return out
+
+
+def _per_parameter_groups(values: dict[Path, object]) -> dict[Path, object]:
+    """DCP's ``K/param_groups`` list (``params`` as FQN lists, as
+    ``get_state_dict`` writes it) in the layout of format 1.2
+    (training-state.md 4.2): ``K/group_of/<fqn>`` -> the id of the group's
+    hyperparameters, ``K/groups/<id>/<hparam>``. DCP records no optimizer
+    class, so ``K/class`` is left out (loading then does not check it)."""
+    from ..adapters.optimizer import group_id
+
+    out: dict[Path, object] = {}
+    for path, value in values.items():
+        groups = value if path and path[-1] == "param_groups" and isinstance(value, list) else None
+        if groups is None or not all(isinstance(g, dict) and isinstance(g.get("params"), list) for g in groups):
+            out[path] = value
+            continue
+        base = path[:-1]
+        for g in groups:
+            hparams = {k: v for k, v in g.items() if k not in ("params", "param_names")}
+            gid = group_id(hparams, "/".join(path))
+            if hparams:
+                out.update({(*base, "groups", gid, k): v for k, v in hparams.items()})
+            else:
+                out[(*base, "groups", gid)] = {}
+            out.update({(*base, "group_of", str(fqn)): gid for fqn in g["params"]})
     return out
 
 
