@@ -62,11 +62,14 @@ def test_async_save_checks_replicas(res):
 
 def test_fsdp1_flat_parameters_refused(res):
     _, res = res
-    for case, key in (("fsdp1_optim", "optim/state/_fsdp_wrapped_module._flat_param/exp_avg"),
-                      ("fsdp1_params", "p/_fsdp_wrapped_module._flat_param")):
-        name, _, msg = _same_everywhere([r[case] for r in res])
-        assert name == "UnsupportedValueError" and repr(key) in msg, msg
-        assert "use_orig_params=True" in msg and "FSDP2" in msg and "SHARDED_STATE_DICT" in msg
+    # the optimizer of an FSDP1 model: refused by its adapter (training-state.md 4.1 item 4)
+    name, _, msg = _same_everywhere([r["fsdp1_optim"] for r in res])
+    assert name == "UnsupportedValueError" and "'optim'" in msg and "FSDP1" in msg, msg
+    assert "FSDP2" in msg and "optim_state_dict" in msg, msg
+    # flat parameters themselves (a state dict holding them): refused by the save
+    name, _, msg = _same_everywhere([r["fsdp1_params"] for r in res])
+    assert name == "UnsupportedValueError" and repr("p/_fsdp_wrapped_module._flat_param") in msg, msg
+    assert "use_orig_params=True" in msg and "FSDP2" in msg and "SHARDED_STATE_DICT" in msg
     # the moments of a raw optimizer state dict: caught as replicas that differ
     name, _, msg = _same_everywhere([r["fsdp1_raw_optim"] for r in res])
     assert name == "IncompatibleStateError" and "'o/exp_avg'" in msg

@@ -444,13 +444,20 @@ def _first_group_key(v: dict) -> str:
 
 
 BROKEN_OPTIMIZER_1_2 = {
-    "no class": lambda v: v.pop("class"),
+    "neither class nor group_of": lambda v: [v.pop(k) for k in [k for k in v if k == "class" or k.startswith("group_of/")]],
     "group id not hex": lambda v: v.update({"group_of/0.bias": "G1"}),
     "group id an integer": lambda v: v.update({"group_of/0.bias": 0}),
     "param_groups next to the 1.2 keys": lambda v: v.update(param_groups=[{"params": ["0.bias"]}]),
     "groups/<id> value not {}": lambda v: v.update({_first_group_key(v).rsplit("/", 1)[0]: {"lr": 1}}),
     "hyperparameter nested below its name": lambda v: v.update({_first_group_key(v) + "/x": 1}),
 }
+
+
+def test_optimizer_1_2_without_class_is_valid():
+    """K/class may be absent (a checkpoint converted from DCP, which records no class; training-state.md 4.2)."""
+    doc = _golden_1_2_optimizer()
+    doc.pop("class")
+    assert _errors(_ts("optimizerValues12"), doc) == [] and _errors(_ts("optimizerValues"), doc) == []
 
 
 @pytest.mark.parametrize("name", sorted(BROKEN_OPTIMIZER_1_2))

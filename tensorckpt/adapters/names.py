@@ -127,6 +127,8 @@ def identity(t) -> tuple | None:
     """What makes two tensors the same tensor (one view of one storage:
     ``state_dict()`` returns a new detached view of a parameter each time),
     or None when that cannot be told (meta, empty, no storage)."""
+    if type(t).__module__.startswith("torch.distributed._shard"):  # torch's legacy ShardedTensor: no ties told
+        return None
     local = t.to_local() if hasattr(t, "to_local") and hasattr(t, "placements") else t
     if not isinstance(local, torch.Tensor) or local.device.type == "meta" or local.numel() == 0:
         return None

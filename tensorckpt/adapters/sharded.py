@@ -93,16 +93,19 @@ def local_part(key: str, value) -> tuple[torch.Tensor, tuple[int, ...], Box]:
     raise UnsupportedValueError(f"{key!r}: not a tensor")
 
 
-def saved_part(key: str, value) -> tuple[torch.Tensor, tuple[int, ...], Box]:
-    """:func:`local_part` for a save: a tensor on the meta device holds no
-    data on this rank (e.g. the layers of other pipeline stages in a model
-    built on meta, only this stage materialised), so it is an empty box of
-    its logical tensor; some other rank must hold the data (the plan checks
-    that every element is held)."""
+def saved_part(key: str, value, elsewhere: bool) -> tuple[torch.Tensor, tuple[int, ...], Box]:
+    """:func:`local_part` for a save. With ``elsewhere`` (a distributed save),
+    a tensor on the meta device holds no data on this rank (e.g. the layers of
+    other pipeline stages in a model built on meta, only this stage
+    materialised), so it is an empty box of its logical tensor; some other
+    rank must hold the data (the plan checks that every element is held).
+    In one process it is refused, as by :func:`local_part`."""
+    if not elsewhere or (TorchShardedTensor is not None and isinstance(value, TorchShardedTensor)):
+        return local_part(key, value)
     local = value.local if isinstance(value, ShardedTensor) else value
     if DTensor is not None and isinstance(value, DTensor):
         local = value.to_local()
-    if isinstance(local, torch.Tensor) and local.is_meta and not type(value).__module__.startswith("torch.distributed._shard"):
+    if isinstance(local, torch.Tensor) and local.is_meta:
         shape = tuple(value.global_shape) if isinstance(value, ShardedTensor) else tuple(value.shape)
         if not shape:
             _not_meta(key, local)  # a 0-d tensor has no empty box: refused

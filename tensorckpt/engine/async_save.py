@@ -160,7 +160,7 @@ def async_save(
     t0 = time.perf_counter()
     try:
         plain = registry.for_save(state, registry.Context(state, g.rank, g.size))
-        staged = _stage(plain, _POOLS.setdefault(slot, {}), stats)
+        staged = _stage(plain, _POOLS.setdefault(slot, {}), stats, g.distributed)
     except Exception as e:
         if not g.distributed:
             raise
@@ -189,7 +189,7 @@ def async_save(
     return handle
 
 
-def _stage(state: Mapping, pool: dict[str, torch.Tensor], stats: SaveStats) -> dict:
+def _stage(state: Mapping, pool: dict[str, torch.Tensor], stats: SaveStats, distributed: bool) -> dict:
     """A copy of ``state`` whose tensors live in the pool's host buffers, as
     ShardedTensors that keep each leaf's global shape and box (plain tensors
     stay plain tensors: the save digests them as replicas)."""
@@ -199,7 +199,7 @@ def _stage(state: Mapping, pool: dict[str, torch.Tensor], stats: SaveStats) -> d
             leaves[leaf.path] = leaf.value  # flatten validated it and made a copy
             continue
         plain = is_plain(leaf.value)  # stays plain: the save checks that its replicas agree
-        t, shape, box = saved_part(key, leaf.value)  # a meta tensor: an empty box, held by other ranks
+        t, shape, box = saved_part(key, leaf.value, distributed)  # a meta tensor: an empty box, held by other ranks
         check_tensor(key, t)
         plain = plain and tuple(t.shape) == shape
         t = t.detach()

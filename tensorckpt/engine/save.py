@@ -221,7 +221,7 @@ def _local_plan(state: Mapping, g: Group, loc: location.Location, options: Mappi
     for key, leaf in leaves.items():
         if leaf.is_tensor:
             check_not_flat(key, leaf.value)
-            t, shape, box = saved_part(key, leaf.value)  # a meta tensor: held by other ranks
+            t, shape, box = saved_part(key, leaf.value, g.distributed)  # a meta tensor: held by other ranks
             check_tensor(key, t)
             items.append(LocalItem(key, dtypes.for_torch(t.dtype, key).torch_name, shape, box))
         else:

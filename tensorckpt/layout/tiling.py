@@ -53,11 +53,6 @@ def check_tiling(key: str, shape: tuple[int, ...], starts: np.ndarray, sizes: np
     held = numel != 0
     if not held.all():
         starts, sizes, ends = take_rows(starts, held), take_rows(sizes, held), take_rows(ends, held)
-    if not held.any():
-        raise IncompatibleStateError(
-            f"{key!r}: no rank holds any data of this tensor of global shape {list(shape)} (every rank passed an "
-            "empty shard or a tensor on the meta device); materialise it on the ranks that own it"
-        )
     covered = int(numel[held].sum())
     overlap = overlaps(shape, starts, ends)
     if covered == total and not overlap:
