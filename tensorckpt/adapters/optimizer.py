@@ -15,7 +15,8 @@ what they save is the checkpoint, with no step of its own.
 Loading matches per parameter: each of the optimizer's groups takes the
 hyperparameters stored for its parameters (which must agree). Checkpoints of
 format 1.0/1.1 (``K/param_groups``, a list of groups with "params" FQN lists)
-are read through the same matching.
+are read through the same matching; which layout is stored is decided in one
+place, :func:`optimizer_layout`.
 
 Design decisions:
 
@@ -148,11 +149,27 @@ def group_id(hparams: Mapping, where: str) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:_ID_CHARS]
 
 
+LAYOUT_1_0, LAYOUT_1_2 = "1.0", "1.2"  # the two optimizer layouts (training-state.md 4.4 and 4.2)
+
+
+def optimizer_layout(saved: Mapping) -> str:
+    """Which optimizer layout is stored under ``K`` (a tree of what is
+    stored): the one place that chooses. ``K/param_groups`` stored means the
+    1.0/1.1 layout (training-state.md 4.4: a reader MUST read it "when
+    ``K/param_groups`` is stored"), anything else the 1.2 one (4.2). It is
+    chosen by what is stored, not by ``format_version``: the spec defines it
+    so (the key names tell the layouts apart, and a 1.1 checkpoint converted
+    or copied key by key keeps its layout), and a checkpoint whose version
+    and layout disagree is the validator's to report
+    (``optimizer-legacy-layout``), not a reason to misread it."""
+    return LAYOUT_1_0 if saved.get(LEGACY_GROUPS) is not None else LAYOUT_1_2
+
+
 def stored_hparams(saved: Mapping, where: str, keys: list[str]) -> dict[str, dict]:
     """``{fqn: hyperparameters of its group}`` from what is stored under the
-    optimizer's key (a tree), in either layout."""
-    legacy = saved.get(LEGACY_GROUPS)
-    if legacy is not None:
+    optimizer's key (a tree), in the layout :func:`optimizer_layout` finds."""
+    if optimizer_layout(saved) == LAYOUT_1_0:
+        legacy = saved[LEGACY_GROUPS]
         if not isinstance(legacy, list) or not all(isinstance(g, dict) and isinstance(g.get("params"), list) for g in legacy):
             raise IncompatibleStateError(f"{where!r}: the checkpoint's {LEGACY_GROUPS!r} is not a list of param groups")
         return {fqn: {k: v for k, v in g.items() if k != "params"} for g in legacy for fqn in g["params"]}

@@ -3,8 +3,10 @@
 
 The root metadata lives in the ``attributes.tensorckpt`` member of the
 checkpoint's root ``zarr.json``; writing that file is the commit. Readers of
-older format versions are chosen by sniffing ``format_version`` (see
-:func:`parse_root`), never by version checks scattered through the code.
+each format version are modules of :mod:`.versions`, chosen by sniffing
+``format_version`` (see :func:`parse_root`), never by version checks
+scattered through the code. ``FORMAT_VERSION`` is the version writers write:
+the newest reader's (``versions.NEWEST``).
 """
 
 from __future__ import annotations
@@ -12,10 +14,9 @@ from __future__ import annotations
 import functools
 import json
 import math
-import re
 from dataclasses import dataclass, field
 
-from ..errors import CorruptCheckpointError, UnsupportedValueError, UnsupportedVersionError
+from ..errors import CorruptCheckpointError, UnsupportedValueError
 from . import dtypes as _dtypes
 from .keys import split_flat_key
 
@@ -172,96 +173,12 @@ def _check_text(s: str, key: str) -> None:
 
 
 def parse_root(doc: object, where: str) -> RootMetadata:
-    """Parse an untrusted root ``zarr.json`` document. Dispatches on the major
-    format version; every problem raises a tensorckpt error naming ``where``."""
-    if not isinstance(doc, dict) or doc.get("zarr_format") != 3 or doc.get("node_type") != "group":
-        raise CorruptCheckpointError(f"{where}: not a Zarr v3 group metadata document")
-    attrs = doc.get("attributes")
-    if not isinstance(attrs, dict) or ATTRIBUTE not in attrs:
-        raise CorruptCheckpointError(
-            f"{where}: a Zarr group, but not a tensorckpt checkpoint (no attributes.{ATTRIBUTE})"
-        )
-    meta = _obj(attrs[ATTRIBUTE], f"{where}: attributes.{ATTRIBUTE}")
-    version = meta.get("format_version")
-    major = _major(version, where)
-    if major != FORMAT_MAJOR:  # the only major so far; older ones get their own parser here
-        raise UnsupportedVersionError(
-            f"{where}: format version {version} is not supported by this tensorckpt "
-            f"(reads {FORMAT_MAJOR}.x); upgrade tensorckpt"
-        )
-    return _parse_v1(meta, where)
+    """Parse an untrusted root ``zarr.json`` document by the reader that its
+    ``format_version`` selects (:func:`.versions.read_root`); every problem
+    raises a tensorckpt error naming ``where``."""
+    from .versions import read_root  # the readers build on this module
 
-
-def _major(version: object, where: str) -> int:
-    if not isinstance(version, str):
-        raise CorruptCheckpointError(f"{where}: format_version must be a string like '1.0', got {version!r}")
-    m = re.fullmatch(r"(0|[1-9][0-9]{0,4})\.(0|[1-9][0-9]{0,4})", version)
-    if m is None:
-        raise CorruptCheckpointError(f"{where}: malformed format_version {version!r}")
-    return int(m.group(1))
-
-
-def _parse_v1(meta: dict, where: str) -> RootMetadata:
-    must = meta.get("must_understand", [])
-    if not isinstance(must, list) or not all(isinstance(m, str) for m in must):
-        raise CorruptCheckpointError(f"{where}: must_understand must be a list of strings")
-    unknown = [m for m in must if m not in KNOWN_EXTENSIONS]
-    if unknown:
-        raise UnsupportedVersionError(
-            f"{where}: the checkpoint needs extensions this tensorckpt does not implement: "
-            f"{', '.join(unknown)}; upgrade tensorckpt"
-        )
-    tensors_doc = _obj(meta.get("tensors"), f"{where}: tensors")
-    values = _obj(meta.get("values", {}), f"{where}: values")
-    tensors = {}
-    for key, entry in tensors_doc.items():
-        _check_key(key, where)
-        tensors[key] = parse_tensor_entry(entry, f"{where}: tensors[{key!r}]")
-    for key in values:
-        _check_key(key, where)
-        if key in tensors:
-            raise CorruptCheckpointError(f"{where}: key {key!r} is both a tensor and a value")
-    _check_tree([*tensors, *values], where)
-    user = _obj(meta.get("user_metadata", {}), f"{where}: user_metadata")
-    world = meta.get("world_size", 1)
-    if not isinstance(world, int) or isinstance(world, bool) or world < 1:
-        raise CorruptCheckpointError(f"{where}: world_size must be a positive integer, got {world!r}")
-    for name in ("library_version", "created"):
-        if not isinstance(meta.get(name, ""), str):
-            raise CorruptCheckpointError(f"{where}: {name} must be a string")
-    return RootMetadata(
-        tensors=tensors,
-        values=values,
-        format_version=meta["format_version"],
-        library_version=meta.get("library_version", ""),
-        created=meta.get("created", ""),
-        world_size=world,
-        user_metadata=user,
-        must_understand=tuple(must),
-        save_stats=_save_stats(meta.get("save_stats"), world, where),
-    )
-
-
-def _save_stats(doc: object, world: int, where: str) -> dict | None:
-    """Validate the optional ``save_stats`` member (9.7): per-phase lists of
-    ``world_size`` finite non-negative seconds, and bytes written per rank.
-    Unknown phases and members are kept and ignored."""
-    if doc is None:
-        return None
-    what = f"{where}: save_stats"
-    doc = _obj(doc, what)
-    seconds = _obj(doc.get("seconds", {}), f"{what}.seconds")
-    for phase, times in seconds.items():
-        if not (isinstance(times, list) and len(times) == world and all(
-            isinstance(x, (int, float)) and not isinstance(x, bool) and 0 <= x < 1e9 for x in times
-        )):
-            raise CorruptCheckpointError(f"{what}.seconds[{phase!r}] must list {world} non-negative numbers, one per rank")
-    written = doc.get("bytes_written", [])  # not [0] * world: world_size is untrusted too
-    if "bytes_written" in doc and not (isinstance(written, list) and len(written) == world and all(
-        isinstance(x, int) and not isinstance(x, bool) and 0 <= x <= MAX_INT for x in written
-    )):
-        raise CorruptCheckpointError(f"{what}.bytes_written must list {world} non-negative integers, one per rank")
-    return doc
+    return read_root(doc, where)
 
 
 def _check_key(key: str, where: str) -> None:
