@@ -224,8 +224,8 @@ def expected_rng_rows(rank: int) -> dict[str, np.ndarray]:
     try:
         ao.seed_all(ao.RNG_SEED + rank)
         t = torch.get_rng_state().numpy().copy()
-        _, keys, pos, has_g, g = np.random.get_state()
-        npy = np.array([*map(int, keys), pos, has_g, _float_bits(g)], dtype=np.int64)
+        _, keys, pos, has_g, g = np.random.get_state()  # type: ignore[misc]
+        npy = np.array([*map(int, keys), pos, has_g, _float_bits(float(g))], dtype=np.int64)
         version, internal, gauss = random.getstate()
         py = np.array([version, *internal, 0 if gauss is None else 1, 0 if gauss is None else _float_bits(gauss)], dtype=np.int64)
     finally:
@@ -260,7 +260,7 @@ def check_rng_rows(res: CaseResult) -> None:
 
 
 def check_loss(res: CaseResult) -> None:
-    """After the load at the other layout, the next two steps' losses are the uninterrupted run's."""
+    """After the load at the other layout, the next steps' losses are the uninterrupted run's."""
     loaded = res.loaded()
     if "losses" not in loaded[0]:
         raise NotApplicable(f"no training step at a {res.case.load.kind} layout")
@@ -289,10 +289,10 @@ def check_loaded_state(res: CaseResult) -> None:
         if "lrs" in out and _has_optimizer(res.case.save):
             assert out["lrs"] == res.ref.lrs, f"rank {r}: lrs {out['lrs']} after the load, saved {res.ref.lrs}"
             assert out["last_epoch"] == ao.STEPS, f"rank {r}: scheduler last_epoch {out['last_epoch']}, saved {ao.STEPS}"
-        want = ao.extra_state(True)
-        got = torch.from_numpy(out["extra"]["ema"]).view(torch.bfloat16)
-        assert out["extra_dtype"] == "bfloat16" and torch.equal(got, want["ema"]), f"rank {r}: extra/ema not restored"
-        assert (out["extra"]["count"], out["extra"]["tag"]) == (want["count"], want["tag"]), f"rank {r}: extra values not restored"
+        extra = ao.extra_state(True)
+        ema = torch.from_numpy(out["extra"]["ema"]).view(torch.bfloat16)
+        assert out["extra_dtype"] == "bfloat16" and torch.equal(ema, extra["ema"]), f"rank {r}: extra/ema not restored"
+        assert (out["extra"]["count"], out["extra"]["tag"]) == (extra["count"], extra["tag"]), f"rank {r}: extra values not restored"
 
 
 def check_samples(res: CaseResult) -> None:

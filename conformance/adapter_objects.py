@@ -12,6 +12,7 @@ from __future__ import annotations
 import random
 import warnings
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
@@ -19,6 +20,7 @@ from torch import nn
 
 D, H, LAYERS = 8, 12, 4  # model width, hidden width, blocks
 STEPS = 3  # training steps before the save
+RESUMED_STEPS = 3  # steps after the load whose losses are compared (the third sees the scheduler's next decay)
 LR, GAMMA = 0.05, 0.5  # AdamW lr; StepLR(step_size=2, gamma)
 NUM_SAMPLES, DATA_SEED = 30, 5  # the sampler's dataset length and seed
 RNG_SEED = 100  # rank r's generators are seeded with RNG_SEED + r right before the save
@@ -103,7 +105,7 @@ class Reference:
     sched: dict
     lrs: list[float]
     weight_decay: dict[str, float]  # fqn -> its group's
-    losses: list[float]  # of steps STEPS + 1 and STEPS + 2
+    losses: list[float]  # of steps STEPS + 1 ... STEPS + RESUMED_STEPS
 
 
 def reference() -> Reference:
@@ -120,7 +122,7 @@ def reference() -> Reference:
         sd = sched.state_dict()
         lrs = [g["lr"] for g in opt.param_groups]
         wd = {n: (0.1 if n.endswith("weight") else 0.0) for n in params}
-        losses = [train_step(model, opt, sched, s) for s in (STEPS + 1, STEPS + 2)]
+        losses = [train_step(model, opt, sched, STEPS + 1 + i) for i in range(RESUMED_STEPS)]
     return Reference(params, moments, sd, lrs, wd, losses)
 
 
@@ -214,7 +216,11 @@ def _parallelize(model: TinyNet, layout: Layout):
         fully_shard(model, mesh=mesh)
         return mesh
     if layout.kind in ("tp", "fsdp_tp"):
-        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+        from torch.distributed.tensor.parallel import (
+            ColwiseParallel,
+            RowwiseParallel,
+            parallelize_module,
+        )
 
         shape, names = ((layout.world,), ("tp",)) if layout.kind == "tp" else (layout.mesh, ("dp", "tp"))
         mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
@@ -237,7 +243,7 @@ def objects(layout: Layout, rank: int, ref: Reference, saving: bool) -> Objects:
     copy the reference's). Loading: fresh objects (another init, no optimizer
     state, a new scheduler), which the load must fill."""
     dp_rank, dp_world = layout.dp(rank)
-    common = dict(layout=layout, rank=rank, dp_rank=dp_rank, dp_world=dp_world, extra=extra_state(saving))
+    common: dict[str, Any] = {"layout": layout, "rank": rank, "dp_rank": dp_rank, "dp_world": dp_world, "extra": extra_state(saving)}
     if layout.kind == "boxes":
         boxes = {}
         for fqn, full in ref.params.items():
@@ -256,13 +262,13 @@ def objects(layout: Layout, rank: int, ref: Reference, saving: bool) -> Objects:
             warnings.simplefilter("ignore")
             for s in range(1, STEPS + 1):
                 train_step(model, opt, sched, s)
-    elif saving:  # a pipeline stage: the reference's layers [offset, offset + n)
+    elif saving and stage is not None:  # a pipeline stage: the reference's layers [offset, offset + n)
         with torch.no_grad():
             for name, p in model.named_parameters():
-                full = stage_name(name, stage[0])
-                p.copy_(ref.params[full])
+                fqn = stage_name(name, stage[0])
+                p.copy_(ref.params[fqn])
                 opt.state[p] = {"step": torch.tensor(float(STEPS)),
-                                **{k: v.clone() for k, v in ref.moments[full].items()}}
+                                **{k: v.clone() for k, v in ref.moments[fqn].items()}}
         sched.load_state_dict(ref.sched)
         for g, lr in zip(opt.param_groups, ref.lrs):
             g["lr"] = lr

@@ -78,8 +78,8 @@ def _load_job(adapter, case: Case, rank: int, ref: ao.Reference, path: Path) -> 
     ao.seed_all(7777 + rank)  # junk: a load that restores nothing shows
     adapter.load(state, str(path))
     out: dict = {"draws": ao.draws(), "dp_rank": objs.dp_rank}
-    if objs.boxes is not None:
-        out["boxes"] = {fqn: (_np(local), off) for fqn, (local, _, off) in objs.boxes.items()}
+    if objs.boxes is not None or objs.model is None or objs.optimizer is None:
+        out["boxes"] = {fqn: (_np(local), off) for fqn, (local, _, off) in (objs.boxes or {}).items()}
     else:
         params, moments = {}, {}
         off = objs.stage_offset or 0
@@ -95,11 +95,11 @@ def _load_job(adapter, case: Case, rank: int, ref: ao.Reference, path: Path) -> 
     out["extra"] = {k: (_np(v) if isinstance(v, torch.Tensor) else v) for k, v in objs.extra.items()}
     out["extra_dtype"] = str(objs.extra["ema"].dtype).removeprefix("torch.")
     out["consumed"] = [int(i) for i in adapter.consume(state, None)]
-    if objs.model is not None and objs.stage_offset is None:
+    if objs.model is not None and objs.optimizer is not None and objs.stage_offset is None:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            out["losses"] = [ao.train_step(objs.model, objs.optimizer, objs.scheduler, s)
-                             for s in (ao.STEPS + 1, ao.STEPS + 2)]
+            out["losses"] = [ao.train_step(objs.model, objs.optimizer, objs.scheduler, ao.STEPS + 1 + i)
+                             for i in range(ao.RESUMED_STEPS)]
     if dist.is_initialized():
         dist.barrier()
     return out
@@ -119,7 +119,7 @@ def run_jobs(rank: int, jobs: list[Job], base: str, ref: ao.Reference) -> dict:
         t0 = time.perf_counter()
         try:
             results[(job.adapter.__name__, job.case.name, job.phase)] = ("ok", fn(adapter, job.case, rank, ref, path))
-        except Exception:
+        except Exception:  # noqa: BLE001 - recorded: the job's tests fail, the launch goes on
             results[(job.adapter.__name__, job.case.name, job.phase)] = ("error", traceback.format_exc())
         timing.append((f"{job.adapter.__name__} {job.case.name} {job.phase}", round(time.perf_counter() - t0, 2)))
     results["timing"] = timing
@@ -159,7 +159,7 @@ def _worker(rank: int, world: int, port: int, jobs: list[Job], base: str, ref: a
             queue.put((rank, True, results))
         finally:
             dist.destroy_process_group()
-    except BaseException:
+    except BaseException:  # noqa: BLE001 - sent to the parent, which raises it
         queue.put((rank, False, traceback.format_exc()))
 
 
@@ -213,12 +213,13 @@ def schedule(plan_in: list[tuple[type, list[Case]]]) -> list[tuple[int, list[Job
         return done | {j for j in jobs if j.world == w and (j.phase == "save" or (j.adapter, j.case) in saved)}
 
     frontier: list[tuple[frozenset, tuple[int, ...]]] = [(frozenset(), ())]
-    seen = {frozenset()}
+    seen: set[frozenset] = {frozenset()}
     while frontier:
         nxt = []
         for done, seq in frontier:
             if len(done) == len(jobs):
-                out, d = [], frozenset()
+                out: list[tuple[int, list[Job]]] = []
+                d: frozenset = frozenset()
                 for w in seq:
                     d2 = step(d, w)
                     out.append((w, sorted(d2 - d, key=lambda j: j.phase != "load")))

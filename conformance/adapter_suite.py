@@ -62,7 +62,7 @@ def matrix() -> list[Case]:
 _RESULTS: dict[tuple, dict] = {}
 
 
-def results_for(cls: type, base: Path, cases: list[Case] | None = None) -> dict[str, dict[str, checks.CaseResult]]:
+def results_for(cls: type[AdapterConformance], base: Path, cases: list[Case] | None = None) -> dict[str, dict[str, checks.CaseResult]]:
     """Run ``cls`` and its ``companions`` over the matrix once per process (cached):
     ``{adapter class name: {case name: CaseResult}}``."""
     from .adapter_objects import reference

@@ -16,8 +16,14 @@ import torch
 import tensorckpt
 
 from . import adapter_checks as checks
-from .adapter_suite import DEFAULT_MATRIX, FSDP3, FSDP_TP4, AdapterConformance, results_for
 from .adapter_run import Case
+from .adapter_suite import (
+    DEFAULT_MATRIX,
+    FSDP3,
+    FSDP_TP4,
+    AdapterConformance,
+    results_for,
+)
 
 
 class TensorckptAdapter:
@@ -88,6 +94,16 @@ class _LocalMomentsAdapter:
                     dist.broadcast_object_list(box, 0)
                     plain["state"][fqn][name] = box[0]
         return plain
+
+    def load_target(self, obj, stored, ctx):
+        from tensorckpt.adapters.optimizer import OptimizerAdapter
+
+        return OptimizerAdapter().load_target(obj.opt, stored, ctx)
+
+    def apply(self, obj, loaded, ctx):
+        from tensorckpt.adapters.optimizer import OptimizerAdapter
+
+        OptimizerAdapter().apply(obj.opt, loaded, ctx)
 
 
 tensorckpt.register_adapter(_LocalMoments, _LocalMomentsAdapter())
@@ -179,3 +195,13 @@ def test_suite_catches_mutation(mutant_results, mutant):
     with pytest.raises(AssertionError):
         checks.CHECKS[name](res)
     checks.CHECKS[name](mutant_results[TestTensorckptAdapter.__name__][MUTANT_CASE.name])  # tensorckpt passes it
+
+
+def test_suite_does_not_import_tensorckpt():
+    """The suite's modules must run for a second implementation, without tensorckpt."""
+    import subprocess
+    import sys
+
+    code = ("import sys, conformance.adapter_suite, conformance.adapter_checks; "
+            "bad = sorted(m for m in sys.modules if m.split('.')[0] == 'tensorckpt'); assert not bad, bad")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
