@@ -35,23 +35,25 @@ FULL = os.environ.get("TENSORCKPT_CONFORMANCE_FULL", "") not in ("", "0")
 
 P1 = Layout("plain", 1)
 FSDP2, FSDP3, FSDP4 = Layout("fsdp", 2), Layout("fsdp", 3), Layout("fsdp", 4)
-TP2, TP4 = Layout("tp", 2), Layout("tp", 4)
+TP2, TP3, TP4 = Layout("tp", 2), Layout("tp", 3), Layout("tp", 4)
 FSDP_TP4 = Layout("fsdp_tp", 4, (2, 2))
-BOXES2, BOXES3 = Layout("boxes", 2, variant=0), Layout("boxes", 3, variant=1)
+BOXES2, BOXES3, BOXES4 = Layout("boxes", 2, variant=0), Layout("boxes", 3, variant=0), Layout("boxes", 4, variant=1)
 PP2, PP4 = Layout("pp", 2), Layout("pp", 4)
 
+# Two spawned launches (3 ranks: every save; 4 ranks: every load, and the saves world 1 loads in-process).
 DEFAULT_MATRIX = [
-    Case(FSDP4, TP2),  # FSDP2 at 4 -> TP at 2 (DP 4 -> 1)
-    Case(FSDP_TP4, FSDP3),  # 2-D mesh -> 1-D FSDP over 3 (uneven shards), DP 2 -> 3, a new rank's RNG
-    Case(PP4, PP2),  # pipeline stages renumbered: 4 stages of one layer -> 2 of two
-    Case(TP2, FSDP3),  # TP -> FSDP, DP 1 -> 3, a new rank
-    Case(BOXES2, BOXES3),  # explicit boxes, irregular splits 2 -> 3
-    Case(FSDP2, P1),  # FSDP2 at 2 -> one process
+    Case(FSDP3, FSDP_TP4),  # uneven FSDP2 shards -> a 2-D mesh; DP 3 -> 2; a new rank's RNG
+    Case(TP3, FSDP4),  # TP -> FSDP2; DP 1 -> 4; a new rank
+    Case(BOXES3, BOXES4),  # explicit boxes, irregular splits 3 -> 4
+    Case(FSDP3, PP4),  # into pipeline stages (the stage modules name their layers from 0)
+    Case(FSDP_TP4, P1),  # a 2-D mesh -> one process
+    Case(PP4, P1),  # pipeline stages renumbered -> one process
 ]
 FULL_MATRIX = DEFAULT_MATRIX + [
-    Case(P1, FSDP_TP4), Case(FSDP3, FSDP2), Case(FSDP4, FSDP3), Case(TP4, TP2), Case(FSDP_TP4, P1),
-    Case(BOXES3, BOXES2), Case(PP2, PP4), Case(PP4, P1), Case(P1, PP2), Case(FSDP2, FSDP4), Case(TP2, FSDP_TP4),
-    Case(FSDP3, TP4), Case(BOXES2, BOXES2),
+    Case(FSDP4, TP2), Case(FSDP_TP4, FSDP3), Case(PP4, PP2), Case(PP2, PP4), Case(TP2, FSDP3),
+    Case(BOXES2, BOXES3), Case(BOXES4, BOXES2), Case(FSDP2, P1), Case(P1, FSDP_TP4), Case(FSDP3, FSDP2),
+    Case(FSDP2, FSDP4), Case(TP4, TP2), Case(P1, PP2), Case(TP2, FSDP_TP4), Case(FSDP_TP4, TP3),
+    Case(BOXES2, BOXES2),
 ]
 
 

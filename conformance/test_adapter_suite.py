@@ -172,7 +172,7 @@ MUTATIONS = {
     RngFromRank0: "test_rng_rows_per_rank",
     Bf16Upcast: "test_tensor_dtypes",
 }
-MUTANT_CASE = Case(FSDP_TP4, FSDP3)  # DTensor moments, a DP change (2 -> 3), a new rank; in the default matrix
+MUTANT_CASE = Case(FSDP3, FSDP_TP4)  # DTensor moments, a DP change (3 -> 2), a new rank; in the default matrix
 assert MUTANT_CASE in DEFAULT_MATRIX
 
 
