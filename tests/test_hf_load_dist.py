@@ -48,7 +48,11 @@ def _fsdp_tp(model, mesh) -> None:
     """Tensor parallelism on the "tp" mesh dimension (Colwise q/k/v and
     gate/up, Rowwise o and down), then FSDP2 on "dp": the FSDP-sharded
     Colwise weights are ``_StridedShard(0)`` over ``Shard(0)``."""
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
 
     plan = {"self_attn.q_proj": ColwiseParallel(), "self_attn.k_proj": ColwiseParallel(),
             "self_attn.v_proj": ColwiseParallel(), "self_attn.o_proj": RowwiseParallel(),
@@ -149,7 +153,7 @@ LAYOUTS = [("fsdp2_w3", 3, 1), ("fsdp2_w2", 4, 2), ("fsdp_tp", 4, 1)]
 
 @pytest.mark.parametrize("layout,ranks,copies", LAYOUTS)
 def test_ranks_read_only_their_shards(hf, launched, layout, ranks, copies):
-    base, ref = hf
+    _, ref = hf
     model = ref.state_dict()
     total = sum(_nbytes(v) for v in model.values())
     with torch.no_grad():
