@@ -19,8 +19,12 @@ warm-up: a 160 MiB state with a 16 MiB bound, +35 MiB importing and +27 MiB
 exporting; 96 MiB with 8 MiB, +32 and +12; tests/test_convert.py checks
 the latter stays under 40 MiB). Exports
 (safetensors, DCP) likewise read the next slab of at most ``memory_bytes /
-2`` while writing the current one. Every source byte is read once and
-every stored byte written once.
+2`` while writing the current one, from a checkpoint saved by any number
+of ranks (a slab reads the parts of every rank's stored objects it crosses;
+no tensor is gathered whole: tests/test_export_memory.py). A ``torch.save``
+export is the exception: one pickle of the whole selected state, which it
+holds in memory. Every source byte is read once and every stored byte
+written once.
 """
 
 from __future__ import annotations
