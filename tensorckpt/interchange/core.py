@@ -301,6 +301,13 @@ def write_tensorckpt(
     items, json_values = [], {}
     for t in tensors:
         d = cast_dtype(t, dtype)
+        if dtypes.torch_name(d) not in dtypes.BY_TORCH:  # before anything is staged
+            if d != t.dtype:
+                raise UnsupportedValueError(
+                    f"{source.description}: dtype={d} (asked for tensor {t.key!r}) cannot be stored by tensorckpt; "
+                    f"storable: {', '.join(dtypes.BY_TORCH)}. Cast to one of them"
+                )
+            raise unsupported_dtype(str(t.dtype), t.key, source.description, list(dtypes.BY_TORCH))
         items.append(LocalItem(t.key, dtypes.for_torch(d, t.key).torch_name, t.shape, Box.full(t.shape)))
     for p, v in values.items():
         key = flat_key(p)
