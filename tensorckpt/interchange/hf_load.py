@@ -3,7 +3,9 @@ into a sharded layout, with no conversion step.
 
 Every tensor leaf of the state receives its part of the tensor of the same
 name: a plain tensor the whole tensor, a DTensor (FSDP2 ``fully_shard``,
-tensor parallelism) its local shard under its own placements, a
+tensor parallelism, FSDP2 over TP with ``_StridedShard`` placements: one box
+per rank, :func:`tensorckpt.adapters.sharded.mesh_box`) its local shard
+under its own placements, a
 :class:`tensorckpt.ShardedTensor` its box. A safetensors tensor is
 contiguous and row-major, so a box is a set of byte ranges: one range per
 combination of indices of the dimensions before the last one the box cuts
