@@ -171,8 +171,9 @@ def _read_all(source: SafetensorsSource, reads, stats: LoadStats) -> None:
         stats.per_tensor[name] = (need, need)
         if box.numel == 0:
             continue
-        direct = t.device.type == "cpu" and t.dtype == st.dtype and t.is_contiguous() and not t.requires_grad
-        buf = t if direct else torch.empty(box.shape, dtype=st.dtype)
+        # a parameter (requires_grad) too: its detached alias shares its memory, as copy_ under no_grad writes it
+        direct = t.device.type == "cpu" and t.dtype == st.dtype and t.is_contiguous()
+        buf = t.detach() if direct else torch.empty(box.shape, dtype=st.dtype)
         view = memoryview(buf.reshape(-1).view(torch.uint8).numpy())  # type: ignore[arg-type]
         starts, run = byte_ranges(st.shape, box, itemsize)
         fd = source._fds.get(file)
