@@ -1,7 +1,11 @@
 """Bad input to ``tensorckpt.convert``: malformed safetensors (truncated,
 bad JSON, a header beyond the 100 MB cap, overlapping or out-of-file
-offsets, dtypes tensorckpt cannot store), DCP directories with missing or
-truncated ``.distcp`` files, an existing destination. Each is a
+offsets, dtypes tensorckpt cannot store: uint16/32, float8 e8m0 and the
+fnuz variants, float4, complex32, in safetensors, DCP and torch.save sources,
+or asked for with ``dtype=``), a broken or incomplete
+``model.safetensors.index.json`` (also for ``load_safetensors``), DCP
+directories with missing or truncated ``.distcp`` files, an existing
+destination. Each is a
 TensorckptError naming the file and the tensor, raised before anything is
 committed: no destination appears and no staging directory is left. ~2 s.
 """
@@ -61,6 +65,10 @@ def test_well_formed_hand_written_file_converts(tmp_path):
     ("unknown dtype", {"a": {"dtype": "Q7", "shape": [1], "data_offsets": [0, 1]}}, b"\0", None, "unknown dtype 'Q7'"),
     ("uint16", {"a": {"dtype": "U16", "shape": [1], "data_offsets": [0, 2]}}, b"\0\0", None,
      r"'a' has dtype U16, which tensorckpt cannot store"),
+    ("float8 e8m0", {"a": {"dtype": "F8_E8M0", "shape": [1], "data_offsets": [0, 1]}}, b"\0", None,
+     r"'a' has dtype F8_E8M0, which tensorckpt cannot store.*F8_E4M3, F8_E5M2"),
+    ("float4", {"a": {"dtype": "F4", "shape": [2], "data_offsets": [0, 1]}}, b"\0", None,
+     r"'a' has dtype F4, which tensorckpt cannot store"),
     ("extra member", {"a": {**GOOD["a"], "x": 1}}, b"\0" * 16, None, "exactly"),
     ("bad metadata", {"__metadata__": {"k": 1}}, b"", None, "__metadata__"),
 ])
@@ -144,3 +152,59 @@ def test_existing_destination_is_refused(tmp_path, to):
     with pytest.raises(tensorckpt.CheckpointExistsError, match="already exists"):
         tensorckpt.convert(tmp_path / "src", tmp_path / "out", to_format=to, progress=False)
     assert os.listdir(tmp_path / "out") == ["keep"]
+
+
+@pytest.mark.parametrize("dtype", [torch.float8_e4m3fnuz, torch.float8_e5m2fnuz, torch.float8_e8m0fnu, torch.uint16,
+                                   torch.uint32, torch.complex32])
+@pytest.mark.filterwarnings("ignore:ComplexHalf support is experimental")
+def test_torch_save_and_dcp_with_unstorable_dtypes(tmp_path, dtype):
+    w = torch.zeros(4, dtype=dtype) if dtype == torch.complex32 else torch.zeros(4).to(dtype)
+    torch.save({"m": {"w": w}}, tmp_path / "t.pt")
+    name = str(dtype).removeprefix("torch.")
+    with pytest.raises(tensorckpt.UnsupportedValueError, match=rf"t.pt: tensor 'm/w' has dtype torch.{name}, which "
+                                                               "tensorckpt cannot store.*only=/rename="):
+        tensorckpt.convert(tmp_path / "t.pt", tmp_path / "ck", progress=False)
+    _nothing_committed(tmp_path)
+    if dtype in (torch.float8_e4m3fnuz, torch.float8_e8m0fnu):
+        path = _dcp(tmp_path, {"w": w})
+        with pytest.raises(tensorckpt.UnsupportedValueError, match=rf"'w' has dtype torch.{name}.*cannot store"):
+            tensorckpt.convert(path, tmp_path / "ck", progress=False)
+        _nothing_committed(tmp_path)
+
+
+def test_cast_to_an_unstorable_dtype(tmp_path):
+    from safetensors.torch import save_file
+
+    save_file({"w": torch.ones(4)}, str(tmp_path / "m.safetensors"))
+    with pytest.raises(tensorckpt.UnsupportedValueError, match=r"dtype=torch.float8_e4m3fnuz.*'w'.*cannot be stored"):
+        tensorckpt.convert(tmp_path / "m.safetensors", tmp_path / "ck", dtype=torch.float8_e4m3fnuz, progress=False)
+    with pytest.raises(tensorckpt.UnsupportedValueError, match=r"'w'.*float8_e8m0fnu \(dtype=.*was asked for\)"):
+        tensorckpt.convert(tmp_path / "m.safetensors", tmp_path / "ck", to_format="safetensors",
+                           dtype=torch.float8_e8m0fnu, progress=False)
+    _nothing_committed(tmp_path)
+
+
+def test_broken_or_incomplete_index(tmp_path):
+    from safetensors.torch import save_file
+
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    save_file({"w": torch.ones(4)}, str(hf / "a.safetensors"))
+    index = hf / "model.safetensors.index.json"
+    index.write_text(json.dumps({"metadata": {}, "weight_map": {"w": "a.safetensors", "v": "b.safetensors"}}))
+    for run in (lambda: tensorckpt.convert(hf, tmp_path / "ck", progress=False),
+                lambda: tensorckpt.load_safetensors({"w": torch.zeros(4)}, hf)):
+        with pytest.raises(tensorckpt.CorruptCheckpointError, match="index.json: shard 'b.safetensors' is missing"):
+            run()
+    index.write_text("{nope")
+    for run in (lambda: tensorckpt.convert(hf, tmp_path / "ck", progress=False),
+                lambda: tensorckpt.load_safetensors({"w": torch.zeros(4)}, hf)):
+        with pytest.raises(tensorckpt.CorruptCheckpointError, match="index.json: not a readable JSON index"):
+            run()
+    _nothing_committed(tmp_path)
+    # load_safetensors checks headers as convert does: nothing is written into the state
+    _raw(tmp_path / "bad.safetensors", {"w": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]}}, b"\0" * 8)
+    target = torch.full((4,), 7.0)
+    with pytest.raises(tensorckpt.CorruptCheckpointError, match=r"bad.safetensors.*'w'.*run past the end"):
+        tensorckpt.load_safetensors({"w": target}, tmp_path / "bad.safetensors")
+    assert torch.equal(target, torch.full((4,), 7.0))

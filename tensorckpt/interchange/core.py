@@ -19,8 +19,12 @@ warm-up: a 160 MiB state with a 16 MiB bound, +35 MiB importing and +27 MiB
 exporting; 96 MiB with 8 MiB, +32 and +12; tests/test_convert.py checks
 the latter stays under 40 MiB). Exports
 (safetensors, DCP) likewise read the next slab of at most ``memory_bytes /
-2`` while writing the current one. Every source byte is read once and
-every stored byte written once.
+2`` while writing the current one, from a checkpoint saved by any number
+of ranks (a slab reads the parts of every rank's stored objects it crosses;
+no tensor is gathered whole: tests/test_export_memory.py). A ``torch.save``
+export is the exception: one pickle of the whole selected state, which it
+holds in memory. Every source byte is read once and every stored byte
+written once.
 """
 
 from __future__ import annotations
@@ -297,6 +301,13 @@ def write_tensorckpt(
     items, json_values = [], {}
     for t in tensors:
         d = cast_dtype(t, dtype)
+        if dtypes.torch_name(d) not in dtypes.BY_TORCH:  # before anything is staged
+            if d != t.dtype:
+                raise UnsupportedValueError(
+                    f"{source.description}: dtype={d} (asked for tensor {t.key!r}) cannot be stored by tensorckpt; "
+                    f"storable: {', '.join(dtypes.BY_TORCH)}. Cast to one of them"
+                )
+            raise unsupported_dtype(str(t.dtype), t.key, source.description, list(dtypes.BY_TORCH))
         items.append(LocalItem(t.key, dtypes.for_torch(d, t.key).torch_name, t.shape, Box.full(t.shape)))
     for p, v in values.items():
         key = flat_key(p)

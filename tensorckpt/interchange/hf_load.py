@@ -3,7 +3,9 @@ into a sharded layout, with no conversion step.
 
 Every tensor leaf of the state receives its part of the tensor of the same
 name: a plain tensor the whole tensor, a DTensor (FSDP2 ``fully_shard``,
-tensor parallelism) its local shard under its own placements, a
+tensor parallelism, FSDP2 over TP with ``_StridedShard`` placements: one box
+per rank, :func:`tensorckpt.adapters.sharded.mesh_box`) its local shard
+under its own placements, a
 :class:`tensorckpt.ShardedTensor` its box. A safetensors tensor is
 contiguous and row-major, so a box is a set of byte ranges: one range per
 combination of indices of the dimensions before the last one the box cuts
@@ -169,8 +171,9 @@ def _read_all(source: SafetensorsSource, reads, stats: LoadStats) -> None:
         stats.per_tensor[name] = (need, need)
         if box.numel == 0:
             continue
-        direct = t.device.type == "cpu" and t.dtype == st.dtype and t.is_contiguous() and not t.requires_grad
-        buf = t if direct else torch.empty(box.shape, dtype=st.dtype)
+        # a parameter (requires_grad) too: its detached alias shares its memory, as copy_ under no_grad writes it
+        direct = t.device.type == "cpu" and t.dtype == st.dtype and t.is_contiguous()
+        buf = t.detach() if direct else torch.empty(box.shape, dtype=st.dtype)
         view = memoryview(buf.reshape(-1).view(torch.uint8).numpy())  # type: ignore[arg-type]
         starts, run = byte_ranges(st.shape, box, itemsize)
         fd = source._fds.get(file)

@@ -27,7 +27,12 @@ import re
 import numpy as np
 import torch
 
-from ..errors import CheckpointExistsError, CorruptCheckpointError, TensorckptError
+from ..errors import (
+    CheckpointExistsError,
+    CorruptCheckpointError,
+    TensorckptError,
+    UnsupportedValueError,
+)
 from ..format import dtypes
 from .core import Progress, Source, SourceTensor, prefetch, slabs, unsupported_dtype
 
@@ -219,7 +224,12 @@ def write(source: Source, tensors: list[SourceTensor], dst: str, *, max_shard_si
     for t in tensors:
         d = cast_dtype(t, dtype)
         if d not in NAMES:
-            raise TensorckptError(f"{t.key!r}: dtype {d} has no safetensors name")
+            asked = f" (dtype={d} was asked for)" if d != t.dtype else ""
+            raise UnsupportedValueError(
+                f"{dst}: tensor {t.key!r} would be written as {d}{asked}, which this writer has no safetensors "
+                f"dtype for; writable: {', '.join(str(k).removeprefix('torch.') for k in NAMES)}. Cast with dtype= "
+                "or leave it out (only=/rename=)"
+            )
         nbytes = math.prod(t.shape) * dtypes.for_torch(d).itemsize
         if plan[-1] and size + nbytes > limit:
             plan.append([])
