@@ -168,6 +168,6 @@ def _remove(loc: location.Location, complete: bool) -> str | None:
     """Remove a leftover, root zarr.json first, never through a link. None
     once it is gone, else why it stayed."""
     try:
-        return commit.remove(loc, complete)
+        return commit.remove(loc, complete, rename_first=True)
     except OSError as e:
         return f"removal failed: {e.strerror or e}" + (": permission denied" if e.errno == errno.EACCES else "")

@@ -31,6 +31,7 @@ import errno
 import json
 import os
 import secrets
+import shutil
 import stat
 import threading
 from dataclasses import dataclass
@@ -44,10 +45,14 @@ STAGING_INFIX = ".tensorckpt-staging-"
 # The root is written under this name first. No key escapes to a name starting
 # with "__" (spec 5.1), so it never collides with a tensor's directory.
 PARTIAL_NAME = "__tensorckpt-root.partial"
+# Made by begin() in the staging directory, checked and removed at the commit: a
+# staging directory removed meanwhile and made again (by a late write) lacks it.
+MARKER_NAME = "__tensorckpt-staging"
+DELETING_SUFFIX = "-del"  # a local leftover is renamed to NAME-del before it is deleted
 MAX_NAME_BYTES = 255
 TOKEN_HEX = 12
 # the longest target name whose staging names (".NAME" + infix + token + "-old") fit in one component
-MAX_TARGET_NAME_BYTES = MAX_NAME_BYTES - 1 - len(STAGING_INFIX) - TOKEN_HEX - len("-old")
+MAX_TARGET_NAME_BYTES = MAX_NAME_BYTES - 1 - len(STAGING_INFIX) - TOKEN_HEX - len("-old") - len(DELETING_SUFFIX)
 
 _libc = ctypes.CDLL(None, use_errno=True)
 _AT_FDCWD = -100
@@ -189,6 +194,7 @@ def _begin(target: Location, overwrite: bool, token: str) -> Commit:
     os.makedirs(os.path.dirname(target.path), exist_ok=True)
     os.mkdir(staging.path)
     st = os.lstat(staging.path)
+    os.close(os.open(os.path.join(staging.path, MARKER_NAME), os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o666))
     return Commit(target, staging, replacing=exists, identity=(st.st_dev, st.st_ino))
 
 
@@ -254,6 +260,11 @@ def _open_staging(c: Commit) -> int:
     if c.identity is not None and (st.st_dev, st.st_ino) != c.identity:
         os.close(fd)
         raise _vanished(c, "was removed and made again (another directory now)")
+    try:
+        os.stat(MARKER_NAME, dir_fd=fd, follow_symlinks=False)
+    except FileNotFoundError:
+        os.close(fd)
+        raise _vanished(c, "was emptied or removed and made again") from None
     return fd
 
 
@@ -277,7 +288,11 @@ def _finish_local(c: Commit, root_json: bytes) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
-    os.close(_open_staging(c))  # still the same directory, just before it is renamed
+    fd = _open_staging(c)  # still the same directory, whole, just before it is renamed
+    try:
+        os.unlink(MARKER_NAME, dir_fd=fd)
+    finally:
+        os.close(fd)
     parent = os.path.dirname(target)
     old = None
     if not c.replacing:
@@ -331,10 +346,11 @@ def _discard(loc: Location) -> None:
         pass
 
 
-def remove(loc: Location, complete: bool = True) -> str | None:
+def remove(loc: Location, complete: bool = True, rename_first: bool = False) -> str | None:
     """Delete a checkpoint location, root ``zarr.json`` first, never following
-    a symbolic link (a link is left alone: it is not ours). Returns None once
-    nothing is left at ``loc``, else why something stayed."""
+    a symbolic link (a link is left alone: it is not ours). ``rename_first``:
+    locally, rename it to ``NAME-del`` first. Returns None once nothing is
+    left at ``loc``, else why something stayed."""
     if not loc.is_local:
         if complete:
             kv.delete(loc, ROOT_KEY)
@@ -347,6 +363,25 @@ def remove(loc: Location, complete: bool = True) -> str | None:
     if stat.S_ISLNK(st.st_mode):
         return "a symbolic link: left alone (tensorckpt never deletes through a link)"
     errors: list[str] = []
+    if stat.S_ISDIR(st.st_mode) and rename_first and not loc.path.endswith(DELETING_SUFFIX):
+        # out of the way first, atomically: a save still writing it (clean with too short a grace) then
+        # finds its staging directory gone (a failed commit) and never one emptied half-way
+        trash = f"{loc.path}{DELETING_SUFFIX}"
+        err = renameat2(loc.path, trash, RENAME_NOREPLACE)
+        if err in (errno.EINVAL, errno.ENOSYS):
+            err = errno.EEXIST if os.path.lexists(trash) else 0
+            if not err:
+                try:
+                    os.rename(loc.path, trash)
+                except OSError as e:
+                    err = e.errno or errno.EIO
+        if err == errno.ENOENT:
+            return None
+        if err not in (0, errno.EEXIST):  # EEXIST: a NAME-del is there already; delete this one in place
+            return f"removal failed: renaming it out of the way: {os.strerror(err)}"
+        if not err:
+            loc = Location("file", trash)
+        st = os.lstat(loc.path)
     if stat.S_ISDIR(st.st_mode):
         try:
             fd = os.open(loc.path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
@@ -367,8 +402,6 @@ def remove(loc: Location, complete: bool = True) -> str | None:
         finally:
             os.close(fd)
         # shutil.rmtree uses the fd-based walk here: it never follows a link inside, and refuses a top that is one
-        import shutil
-
         shutil.rmtree(loc.path, onerror=lambda _f, p, exc: errors.append(f"{p}: {getattr(exc[1], 'strerror', None) or exc[1]}"))
     elif stat.S_ISREG(st.st_mode):
         try:
@@ -379,7 +412,8 @@ def remove(loc: Location, complete: bool = True) -> str | None:
         return "a special file (not a directory): left alone"
     if not os.path.lexists(loc.path):
         return None
-    return "removal failed: " + ("; ".join(errors[:3]) if errors else "it is still there")
+    return "removal failed: " + ("; ".join(errors[:3]) if errors else "it is still there") + (
+        f" (what stays is at {loc.path})" if rename_first and loc.path.endswith(DELETING_SUFFIX) else "")
 
 
 def abort(c: Commit) -> None:
