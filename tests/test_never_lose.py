@@ -442,3 +442,44 @@ def test_cli_inspect_into_a_closed_pipe(tmp_path):
     p = subprocess.run(f"{sys.executable} -m tensorckpt inspect {tmp_path / 'c'} | head -n 2", shell=True,
                        capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONPATH": REPO})
     assert len(p.stdout.splitlines()) == 2 and "Traceback" not in p.stderr and "BrokenPipe" not in p.stderr
+
+
+# ------------------------------------------------ item 13: a gloo peer dies
+
+
+def _dies_mid_save(rank: int, world: int, path: str) -> str:
+    import tensorckpt.engine.save as save_module
+
+    if rank == 1:
+        def die(*_a, **_kw):
+            os._exit(3)  # killed while writing: its sockets close
+
+        save_module._write_local = die
+    try:
+        tensorckpt.save({"w": torch.ones(8)}, path)
+        return "saved"
+    except TensorckptError as e:
+        return f"TensorckptError: {e}"
+    except Exception as e:  # noqa: BLE001 - the bug: a raw gloo error
+        return f"raw {type(e).__name__}: {e}"
+
+
+def test_a_peer_dying_mid_save(tmp_path):
+    from tests import dist as launcher
+
+    ctx = launcher.mp.get_context("spawn")
+    queue, port = ctx.Queue(), launcher._free_port()
+    path = str(tmp_path / "c")
+    procs = [ctx.Process(target=launcher._worker, args=(r, 2, port, _dies_mid_save, (path,), queue), daemon=True)
+             for r in range(2)]
+    for p in procs:
+        p.start()
+    try:
+        rank, ok, value = queue.get(timeout=120)
+    finally:
+        for p in procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
+    assert rank == 0 and ok and value.startswith("TensorckptError") and "lost its peers" in value, value
+    assert not os.path.exists(path) and os.listdir(tmp_path) == []  # the survivor removed the staging directory
