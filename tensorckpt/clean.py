@@ -71,8 +71,9 @@ def _clean(target: location.Location, older_than: float, dry_run: bool) -> Clean
     foreign = {s: _foreign(s) for s in staging}
     ages = {s: _age(s) for s in staging if foreign[s] is None}
     for s in staging:
-        if foreign[s] is not None:
-            report.leftovers.append(Leftover(s.url, None, False, False, foreign[s]))
+        why = foreign[s]
+        if why is not None:
+            report.leftovers.append(Leftover(s.url, None, False, False, why))
             continue
         complete = _has_root(s)
         if complete and not committed:

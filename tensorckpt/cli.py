@@ -132,7 +132,7 @@ def inspect(path: str, as_json: bool = False, out=None) -> int:
         label = pad + _name(path_[-1])
         if key in idx.tensors:
             e = idx.tensors[key]
-            print(f"{label:<48} {str(list(e.shape)):<20} {e.dtype:<14} {_size(e.nbytes):>10}", file=out)
+            print(f"{label:<48} {list(e.shape)!s:<20} {e.dtype:<14} {_size(e.nbytes):>10}", file=out)
         else:
             print(f"{label:<48} = {json.dumps(idx.values[key])[:80]}", file=out)
     return 0

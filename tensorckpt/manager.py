@@ -236,7 +236,7 @@ class CheckpointManager:
         else:
             h._done.wait(timeout)
 
-    def __enter__(self) -> "CheckpointManager":
+    def __enter__(self) -> CheckpointManager:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -320,7 +320,7 @@ class CheckpointManager:
                 _load(state, self.step_path(s), process_group=self.process_group, strict=strict, partial=partial,
                       cast=cast, stats=stats)
                 return s
-            except Exception:  # noqa: BLE001 - raised on every rank alike (load's errors are collective)
+            except Exception:
                 if step is not None or attempt == RESTORE_ATTEMPTS - 1:
                     raise
                 gone = g.collective(None, lambda _, s=s: not self._scan().get(s, _Entry()).committed,

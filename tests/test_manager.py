@@ -19,13 +19,13 @@ _TESTS = os.path.dirname(os.path.abspath(__file__))
 if _TESTS not in sys.path:
     sys.path.insert(0, _TESTS)
 
-import dist  # noqa: E402
+import dist
 
-import tensorckpt  # noqa: E402
-from tensorckpt import manager as manager_module  # noqa: E402
-from tensorckpt.cli import main as cli_main  # noqa: E402
-from tensorckpt.manager import parse_step_name, step_name  # noqa: E402
-from tensorckpt.storage import commit, kv, location  # noqa: E402
+import tensorckpt
+from tensorckpt import manager as manager_module
+from tensorckpt.cli import main as cli_main
+from tensorckpt.manager import parse_step_name, step_name
+from tensorckpt.storage import commit, kv, location
 
 pytestmark = pytest.mark.usefixtures("fresh_plan_cache")
 

@@ -483,3 +483,37 @@ def test_a_peer_dying_mid_save(tmp_path):
                 p.kill()
     assert rank == 0 and ok and value.startswith("TensorckptError") and "lost its peers" in value, value
     assert not os.path.exists(path) and os.listdir(tmp_path) == []  # the survivor removed the staging directory
+
+
+def test_two_new_memory_saves_cannot_both_win(mem_url, monkeypatch):
+    """Object stores: the root is a conditional create (memory://: under a
+    process-wide lock); two threads both find the location empty, both
+    write, and both commit."""
+    import threading
+
+    path = mem_url()
+    begun = threading.Barrier(2, timeout=60)
+    begin = commit.begin
+
+    def begin_both(*a, **kw):
+        c = begin(*a, **kw)
+        begun.wait()  # both saves checked the (empty) target before either writes
+        return c
+
+    monkeypatch.setattr(commit, "begin", begin_both)
+    results: dict = {}
+
+    def racer(k: int) -> None:
+        try:
+            tensorckpt.save({"w": torch.ones(4) * k}, path)
+            results[k] = "saved"
+        except CheckpointExistsError as e:
+            results[k] = str(e)
+
+    threads = [threading.Thread(target=racer, args=(k,), name=f"racer{k}") for k in (1, 2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert sorted(results) == [1, 2] and list(results.values()).count("saved") == 1, results
+    assert any("another save committed" in v for v in results.values())

@@ -141,11 +141,11 @@ def describe_foreign(target: Location) -> str | None:
     if ROOT_KEY in keys:
         return None if _is_root(kv.read(target, ROOT_KEY)) else "objects whose zarr.json is not a tensorckpt root"
     # an interrupted in-place save (10.3 step 1): Zarr nodes, none of them a checkpoint root
-    nodes = [k for k in keys if k.endswith("/" + ROOT_KEY)]
-    if nodes and not any(_is_root(kv.read(target, k)) for k in nodes):
-        return None
+    below = any(_is_root(kv.read(target, k)) for k in keys if k.endswith("/" + ROOT_KEY))
+    if not below and all(k.split("/")[-1] == ROOT_KEY or "/c/" in f"/{k}" for k in keys):
+        return None  # Zarr nodes and chunks only, none of them a checkpoint root
     return (f"{len(keys)} object(s) that are not the leftovers of a save"
-            + (" (checkpoints below it: a CheckpointManager root?)" if nodes else ""))
+            + (" (checkpoints below it: a CheckpointManager root)" if below else ""))
 
 
 def _is_root(doc: bytes | None) -> bool:
@@ -432,9 +432,7 @@ def abort(c: Commit) -> None:
             return
         _discard(c.write_to)
         return
-    if c.staged:
-        kv.delete_all(c.write_to)
-    elif kv.read(c.target, ROOT_KEY) is None:  # never a root another save committed meanwhile
+    if c.staged or kv.read(c.target, ROOT_KEY) is None:
         kv.delete_all(c.write_to)
 
 

@@ -50,7 +50,7 @@ class Location:
             p = "/" + p
         return {"driver": self.scheme, "path": p + "/" if p.strip("/") else p}
 
-    def sibling(self, name: str) -> "Location":
+    def sibling(self, name: str) -> Location:
         return Location(self.scheme, posixpath.join(posixpath.dirname(self.path), name))
 
     @property
