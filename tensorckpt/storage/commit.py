@@ -245,9 +245,9 @@ def _vanished(c: Commit, how: str) -> TensorckptError:
         + ": save again, and clean only with an --older-than longer than any save takes")
 
 
-def _open_staging(c: Commit) -> int:
+def _open_staging(c: Commit, marked: bool = True) -> int:
     """Open the staging directory (never through a link) and check it is the
-    one :func:`begin` made."""
+    one :func:`begin` made (and, if ``marked``, that it still holds its marker)."""
     try:
         fd = os.open(c.write_to.path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
     except FileNotFoundError:
@@ -260,6 +260,8 @@ def _open_staging(c: Commit) -> int:
     if c.identity is not None and (st.st_dev, st.st_ino) != c.identity:
         os.close(fd)
         raise _vanished(c, "was removed and made again (another directory now)")
+    if not marked:
+        return fd
     try:
         os.stat(MARKER_NAME, dir_fd=fd, follow_symlinks=False)
     except FileNotFoundError:
@@ -274,6 +276,8 @@ def _finish_local(c: Commit, root_json: bytes) -> None:
     staging, target = c.write_to.path, c.target.path
     fd = _open_staging(c)
     try:
+        # the marker goes first: a complete copy left by a save killed before its rename holds only the checkpoint
+        os.unlink(MARKER_NAME, dir_fd=fd)
         # written under a temporary name, then renamed: a staging directory holds a
         # root zarr.json only once it is whole (spec 10.5 takes such a leftover for
         # a complete checkpoint; a save killed mid-write must not leave half a root)
@@ -288,11 +292,7 @@ def _finish_local(c: Commit, root_json: bytes) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
-    fd = _open_staging(c)  # still the same directory, whole, just before it is renamed
-    try:
-        os.unlink(MARKER_NAME, dir_fd=fd)
-    finally:
-        os.close(fd)
+    os.close(_open_staging(c, marked=False))  # still the same directory, just before it is renamed
     parent = os.path.dirname(target)
     old = None
     if not c.replacing:
