@@ -9,12 +9,18 @@ behind, by the rule of spec section 10.5:
 - a leftover that is a complete checkpoint is kept while the target is not
   committed: it is then the only copy of that checkpoint;
 - a complete leftover is uncommitted (its root ``zarr.json`` deleted) before
-  the rest of it goes, as in section 10.3.
+  the rest of it goes, as in section 10.3;
+- a symbolic link (or any other non-directory special file) named like a
+  leftover is not one: it is left alone, and nothing is ever deleted
+  through a link (spec 10.6). ``removed`` reports what really happened: a
+  removal that failed is reported as kept, with the error.
 """
 
 from __future__ import annotations
 
+import errno
 import os
+import stat
 import time
 from dataclasses import dataclass, field
 
@@ -52,11 +58,23 @@ def clean(path, *, older_than: float = DEFAULT_OLDER_THAN, dry_run: bool = False
     if not older_than >= 0:
         raise ValueError(f"older_than must be a number of seconds >= 0, got {older_than!r}")
     target = location.parse(path)
+    try:
+        return _clean(target, older_than, dry_run)
+    except OSError as e:
+        raise commit.os_error(target, e, "cleaning the leftovers of interrupted saves") from e
+
+
+def _clean(target: location.Location, older_than: float, dry_run: bool) -> CleanReport:
     committed = _has_root(target)
     report = CleanReport(target.url, committed, dry_run)
     staging = commit.leftovers(target)
-    ages = {s: _age(s) for s in staging}
+    foreign = {s: _foreign(s) for s in staging}
+    ages = {s: _age(s) for s in staging if foreign[s] is None}
     for s in staging:
+        why = foreign[s]
+        if why is not None:
+            report.leftovers.append(Leftover(s.url, None, False, False, why))
+            continue
         complete = _has_root(s)
         if complete and not committed:
             keep = "a complete checkpoint, and the only one: move it into place to recover it (spec 10.5)"
@@ -92,13 +110,35 @@ def _settle(report: CleanReport, loc: location.Location, age: float | None, comp
         if target and _has_root(loc):
             keep = "committed while clean ran"
         else:
-            _remove(loc, complete)
+            keep = _remove(loc, complete)
     report.leftovers.append(Leftover(loc.url, age, complete, keep is None, keep or gone))
 
 
+def _foreign(loc: location.Location) -> str | None:
+    """Why a local name with a staging prefix is not a leftover of a save (a
+    symbolic link, a special file), or None. Saves make only directories."""
+    if not loc.is_local:
+        return None
+    try:
+        st = os.lstat(loc.path)
+    except FileNotFoundError:
+        return None
+    if stat.S_ISLNK(st.st_mode):
+        return "a symbolic link, not left by a save: left alone (tensorckpt never follows or deletes links)"
+    if not (stat.S_ISDIR(st.st_mode) or stat.S_ISREG(st.st_mode)):
+        return "a special file, not left by a save: left alone"
+    return None
+
+
 def _has_root(loc: location.Location) -> bool:
-    """Whether ``loc`` holds a root zarr.json (spec 10.4), without reading it."""
+    """Whether ``loc`` holds a root zarr.json (spec 10.4), without reading it
+    (locally: and without following a link at ``loc``)."""
     if loc.is_local:
+        try:
+            if stat.S_ISLNK(os.lstat(loc.path).st_mode):
+                return False
+        except OSError:
+            return False
         return os.path.lexists(os.path.join(loc.path, commit.ROOT_KEY))
     return kv.read(loc, commit.ROOT_KEY) is not None
 
@@ -125,10 +165,10 @@ def _age(loc: location.Location) -> float | None:
     return max(0.0, time.time() - newest)
 
 
-def _remove(loc: location.Location, complete: bool) -> None:
-    if complete:
-        kv.delete(loc, commit.ROOT_KEY)  # no longer a checkpoint before any of its data goes
-    if loc.is_local and (os.path.islink(loc.path) or not os.path.isdir(loc.path)):
-        os.remove(loc.path)  # a file or a link: only the name goes, never what a link points to
-    else:
-        kv.delete_all(loc)
+def _remove(loc: location.Location, complete: bool) -> str | None:
+    """Remove a leftover, root zarr.json first, never through a link. None
+    once it is gone, else why it stayed."""
+    try:
+        return commit.remove(loc, complete, rename_first=True)
+    except OSError as e:
+        return f"removal failed: {e.strerror or e}" + (": permission denied" if e.errno == errno.EACCES else "")

@@ -32,6 +32,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import re
 import sys
 import time
 
@@ -56,6 +58,28 @@ def _name(s: str) -> str:
     return s if s and s.isprintable() and s.strip() == s and "/" not in s else repr(s)
 
 
+_CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
+
+
+def _safe(text: str) -> str:
+    """``text`` with control characters (ESC, BEL, ...; from metadata or
+    paths) escaped, so that nothing read from a checkpoint drives the terminal."""
+    return _CONTROL.sub(lambda m: f"\\x{ord(m.group(0)):02x}", text)
+
+
+class _SafeOut:
+    """A text stream that escapes control characters in what is written."""
+
+    def __init__(self, stream) -> None:
+        self.stream = stream
+
+    def write(self, text: str) -> int:
+        return self.stream.write("\n".join(_safe(line) for line in text.split("\n")))
+
+    def flush(self) -> None:
+        self.stream.flush()
+
+
 def convert(args, out=None) -> int:
     """``tensorckpt convert``: :func:`tensorckpt.convert` with a progress bar."""
     from .interchange import convert as convert_checkpoint
@@ -74,7 +98,7 @@ def convert(args, out=None) -> int:
 
 
 def inspect(path: str, as_json: bool = False, out=None) -> int:
-    out = out or sys.stdout
+    out = _SafeOut(out or sys.stdout)
     try:
         ckpt = Checkpoint(path)
     except IncompleteCheckpointError as e:
@@ -108,7 +132,7 @@ def inspect(path: str, as_json: bool = False, out=None) -> int:
         label = pad + _name(path_[-1])
         if key in idx.tensors:
             e = idx.tensors[key]
-            print(f"{label:<48} {str(list(e.shape)):<20} {e.dtype:<14} {_size(e.nbytes):>10}", file=out)
+            print(f"{label:<48} {list(e.shape)!s:<20} {e.dtype:<14} {_size(e.nbytes):>10}", file=out)
         else:
             print(f"{label:<48} = {json.dumps(idx.values[key])[:80]}", file=out)
     return 0
@@ -144,6 +168,8 @@ def clean(path: str, older_than: float = DEFAULT_OLDER_THAN, dry_run: bool = Fal
     stayed, and why."""
     out = out or sys.stdout
     report = clean_leftovers(path, older_than=older_than, dry_run=dry_run)
+    if not as_json:
+        out = _SafeOut(out)
     if as_json:
         print(json.dumps(report.to_json(), indent=1), file=out)
         return 0
@@ -188,10 +214,13 @@ def list_steps(root: str, as_json: bool = False, out=None) -> int:
     from .manager import CheckpointManager
 
     out = out or sys.stdout
-    steps = CheckpointManager(root).steps()
+    steps = CheckpointManager(root).steps()  # refuses a checkpoint, a file, a FIFO (not a manager root)
+    if not os.path.lexists(os.path.expanduser(root)) and "://" not in root:
+        raise TensorckptError(f"{root}: no such directory (no CheckpointManager root here): check the path")
     if as_json:
         print(json.dumps([s.to_json() for s in steps], indent=1), file=out)
         return 0
+    out = _SafeOut(out)
     if not steps:
         print(f"no steps under {root}", file=out)
     for s in steps:
@@ -277,7 +306,17 @@ def main(argv: list[str] | None = None) -> int:
             return list_steps(args.root, args.json)
         return inspect(args.path, args.json)
     except TensorckptError as e:
-        print(f"tensorckpt: error: {e}", file=sys.stderr)
+        print(_safe(f"tensorckpt: error: {e}"), file=sys.stderr)
+        return 2
+    except BrokenPipeError:  # `tensorckpt inspect ... | head`: the reader is gone; stop quietly
+        try:
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, sys.stdout.fileno())
+        except (OSError, ValueError):
+            pass
+        return 141  # like a shell's exit status for SIGPIPE
+    except OSError as e:  # not raised on purpose anywhere: still one line, never a traceback
+        print(_safe(f"tensorckpt: error: {getattr(e, 'filename', None) or ''}: {e.strerror or e}"), file=sys.stderr)
         return 2
 
 

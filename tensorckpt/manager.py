@@ -33,14 +33,19 @@ overlaps a save of this manager. It:
 - removes the leftovers of interrupted saves by the grace-period rule of
   spec 10.5 (``grace`` seconds, like ``tensorckpt clean --older-than``), never
   those of a save in flight; a complete copy left at a staging name (a save
-  killed just before its rename) is moved into place instead of lost.
+  killed just before its rename) is moved into place instead of lost;
+- treats symbolic links (and special files) under the root as foreign: a
+  link named like a step, a staging or a retired location is never listed,
+  adopted, renamed or deleted, and nothing is deleted through one.
 """
 
 from __future__ import annotations
 
+import errno
 import os
 import posixpath
 import re
+import stat
 import threading
 import time
 import warnings
@@ -145,6 +150,8 @@ class CheckpointManager:
             if not (isinstance(v, (int, float)) and not isinstance(v, bool) and v >= 0):
                 raise ValueError(f"CheckpointManager({name}=...) must be a number of seconds >= 0, got {v!r}")
         self.root = location.parse(root)
+        if self.root.is_local:
+            _check_root(self.root)
         self.keep_last, self.keep_every = keep_last, keep_every
         self.reader_grace, self.grace = float(reader_grace), float(grace)
         self.process_group = process_group
@@ -229,7 +236,7 @@ class CheckpointManager:
         else:
             h._done.wait(timeout)
 
-    def __enter__(self) -> "CheckpointManager":
+    def __enter__(self) -> CheckpointManager:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -313,7 +320,7 @@ class CheckpointManager:
                 _load(state, self.step_path(s), process_group=self.process_group, strict=strict, partial=partial,
                       cast=cast, stats=stats)
                 return s
-            except Exception:  # noqa: BLE001 - raised on every rank alike (load's errors are collective)
+            except Exception:
                 if step is not None or attempt == RESTORE_ATTEMPTS - 1:
                     raise
                 gone = g.collective(None, lambda _, s=s: not self._scan().get(s, _Entry()).committed,
@@ -330,7 +337,10 @@ class CheckpointManager:
         if self._g.rank != 0:
             return []
         with self._lock:
-            return self._prune()
+            try:
+                return self._prune()
+            except OSError as e:
+                raise commit.os_error(self.root, e, "retention") from e
 
     def delete(self, step: int) -> None:
         """Retire committed ``step`` whatever the policy (rank 0; waits for this
@@ -341,10 +351,13 @@ class CheckpointManager:
         if self._g.rank != 0:
             return
         with self._lock:
-            e = self._scan().get(step)
-            if e is None or not e.committed:
-                raise TensorckptError(f"{self.step_path(step)}: step {step} is not committed")
-            self._retire(step)
+            try:
+                e = self._scan().get(step)
+                if e is None or not e.committed:
+                    raise TensorckptError(f"{self.step_path(step)}: step {step} is not committed")
+                self._retire(step)
+            except OSError as e:
+                raise commit.os_error(self.step_path(step), e, f"deleting step {step}") from e
 
     def _prune(self) -> list[int]:
         now = time.time()
@@ -373,9 +386,10 @@ class CheckpointManager:
             self._retire(s)
             retired.append(s)
         for s, e in entries.items():
-            if e.committed or s in busy:
+            if s in busy or s in retired or not (e.leftovers or (e.target and not e.committed)):
                 continue
-            _clean_leftovers(self.step_path(s), older_than=self.grace)  # spec 10.5: the grace-period rule
+            # spec 10.5: the grace-period rule; for a kept committed step too (a stale replace's leftovers)
+            _clean_leftovers(self.step_path(s), older_than=self.grace)
         for loc in self._retired():
             _remove(loc)  # interrupted retirements: no reader can reach them
         return retired
@@ -392,9 +406,10 @@ class CheckpointManager:
         best = sorted(whole, key=lambda x: (x.name.endswith("-old"), x.name))[0]
         target = self._loc(step)
         if target.is_local:
-            if os.path.lexists(target.path):
-                return False  # not made by a save (spec 10.5 rule 1): left alone
-            os.rename(best.path, target.path)
+            if os.path.lexists(target.path) or not _is_dir(best.path):
+                return False  # not made by a save (spec 10.5 rule 1), or no longer a directory: left alone
+            if commit.renameat2(best.path, target.path, commit.RENAME_NOREPLACE) in (errno.EINVAL, errno.ENOSYS):
+                os.rename(best.path, target.path)
             kv.fsync_dir(self.root.path)
         else:  # as a replace commits on an object store (10.3): the root zarr.json last
             kv.delete_all(target)
@@ -414,6 +429,8 @@ class CheckpointManager:
         ``zarr.json`` first (the step is then uncommitted), then the rest."""
         loc = self._loc(step)
         if loc.is_local:
+            if not _is_dir(loc.path):
+                raise TensorckptError(f"{loc}: not a directory (a link?): left alone")
             trash = self._child(f".{loc.name}{RETIRED_INFIX}{commit.new_token()}")
             os.rename(loc.path, trash.path)
             kv.fsync_dir(self.root.path)
@@ -441,12 +458,18 @@ class CheckpointManager:
     # ------------------------------------------------------------ listing
 
     def _names(self) -> set[str]:
-        """Names directly under the root."""
+        """Names directly under the root (locally: only directories and plain
+        files; links and special files are foreign, never ours)."""
         if self.root.is_local:
+            _check_root(self.root)
             try:
-                return set(os.listdir(self.root.path))
-            except (FileNotFoundError, NotADirectoryError):
+                with os.scandir(self.root.path) as it:
+                    return {e.name for e in it if not e.is_symlink() and (e.is_dir(follow_symlinks=False)
+                                                                         or e.is_file(follow_symlinks=False))}
+            except FileNotFoundError:
                 return set()
+            except OSError as e:
+                raise commit.os_error(self.root, e, "listing the manager root") from e
         return {k.split("/", 1)[0] for k in kv.list_keys(self.root)}
 
     def _scan(self) -> dict[int, _Entry]:
@@ -486,9 +509,35 @@ def _valid_root(loc: location.Location) -> bool:
 
 
 def _remove(loc: location.Location) -> None:
-    """Delete a checkpoint location, its root ``zarr.json`` first."""
-    kv.delete(loc, commit.ROOT_KEY)
-    kv.delete_all(loc)
+    """Delete a checkpoint location, its root ``zarr.json`` first, never through a link."""
+    commit.remove(loc)
+
+
+def _is_dir(path: str) -> bool:
+    """A real directory (not a link to one)."""
+    try:
+        return stat.S_ISDIR(os.lstat(path).st_mode)
+    except OSError:
+        return False
+
+
+def _check_root(root: location.Location) -> None:
+    """A local manager root must be a directory (a link to one is fine: the
+    user named it) or not exist yet; anything else is a clear error."""
+    try:
+        st = os.stat(root.path)
+    except FileNotFoundError:
+        return
+    except OSError as e:
+        raise commit.os_error(root, e, "opening the manager root") from e
+    if stat.S_ISDIR(st.st_mode):
+        if os.path.lexists(os.path.join(root.path, commit.ROOT_KEY)):
+            raise TensorckptError(
+                f"{root}: this is a checkpoint, not a CheckpointManager root (it holds a root zarr.json): "
+                "open it with tensorckpt.open / `tensorckpt inspect`, or give the manager another directory")
+        return
+    kind = "a file" if stat.S_ISREG(st.st_mode) else "a special file (FIFO, socket or device)"
+    raise TensorckptError(f"{root}: the manager root is {kind}, not a directory: give the manager a directory")
 
 
 def _stored_bytes(loc: location.Location) -> int:

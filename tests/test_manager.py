@@ -19,13 +19,13 @@ _TESTS = os.path.dirname(os.path.abspath(__file__))
 if _TESTS not in sys.path:
     sys.path.insert(0, _TESTS)
 
-import dist  # noqa: E402
+import dist
 
-import tensorckpt  # noqa: E402
-from tensorckpt import manager as manager_module  # noqa: E402
-from tensorckpt.cli import main as cli_main  # noqa: E402
-from tensorckpt.manager import parse_step_name, step_name  # noqa: E402
-from tensorckpt.storage import commit, kv, location  # noqa: E402
+import tensorckpt
+from tensorckpt import manager as manager_module
+from tensorckpt.cli import main as cli_main
+from tensorckpt.manager import parse_step_name, step_name
+from tensorckpt.storage import commit, kv, location
 
 pytestmark = pytest.mark.usefixtures("fresh_plan_cache")
 
@@ -279,9 +279,11 @@ def test_the_staging_root_is_written_whole(tmp_path, monkeypatch):
     real = commit.os.rename
     seen = []
 
-    def rename(a, b):
-        seen.append((os.path.basename(a), os.path.basename(b), os.path.isfile(a) and open(a, "rb").read()))
-        return real(a, b)
+    def rename(a, b, **kw):  # the root is renamed inside the staging directory (dir_fd: never through a link)
+        fd = kw.get("src_dir_fd")
+        data = open(os.open(a, os.O_RDONLY, dir_fd=fd), "rb").read() if fd is not None and not os.path.isdir(a) else None
+        seen.append((os.path.basename(a), os.path.basename(b), data))
+        return real(a, b, **kw)
 
     monkeypatch.setattr(commit.os, "rename", rename)
     tensorckpt.save(_state(1), tmp_path / "c")

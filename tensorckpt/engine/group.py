@@ -115,6 +115,19 @@ class Group:
                 if on_failure is not None:
                     on_failure()
                 raise
+        try:
+            return self._collective(local, reduce, what, on_failure)
+        except errors.TensorckptError:  # a failure of some rank, already shared (it may also be a RuntimeError)
+            raise
+        except RuntimeError as e:  # the transport (gloo) failed: a peer died or left mid-collective
+            if on_failure is not None:
+                on_failure()
+            raise errors.TensorckptError(
+                f"{what}: rank {self.rank} of {self.size} lost its peers during a collective (a rank died or left: "
+                f"{str(e).splitlines()[0] if str(e) else type(e).__name__}); nothing was committed by this call and "
+                "what this rank could clean up is removed: restart the job and retry") from e
+
+    def _collective(self, local, reduce, what: str, on_failure) -> Any:
         mine, exc = _attempt(local) if local is not None else (None, None)
         mine_failure = None if exc is None else Failure.of(self.rank, exc)
         if reduce is None:

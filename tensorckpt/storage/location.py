@@ -50,7 +50,7 @@ class Location:
             p = "/" + p
         return {"driver": self.scheme, "path": p + "/" if p.strip("/") else p}
 
-    def sibling(self, name: str) -> "Location":
+    def sibling(self, name: str) -> Location:
         return Location(self.scheme, posixpath.join(posixpath.dirname(self.path), name))
 
     @property
@@ -68,13 +68,20 @@ def parse(path: str | os.PathLike | Location) -> Location:
         path = os.fspath(path)
     if not isinstance(path, str) or not path:
         raise InvalidPathError(f"checkpoint path must be a non-empty str or path, got {path!r}")
+    if "\0" in path:
+        raise InvalidPathError(f"{path!r}: a checkpoint path cannot contain a NUL byte: remove it")
     if "://" not in path:
         return Location("file", os.path.abspath(os.path.expanduser(path)))
     url = urlparse(path)
     if url.scheme == "file":
         if url.netloc not in ("", "localhost"):
             raise InvalidPathError(f"{path!r}: file URLs must be local (file:///abs/path)")
-        return Location("file", os.path.abspath(unquote(url.path)))
+        local = unquote(url.path)
+        if not local:  # "file://" or "file://localhost": no path, not the current directory
+            raise InvalidPathError(f"{path!r}: a file URL needs an absolute path, e.g. file:///abs/ckpt")
+        if "\0" in local:
+            raise InvalidPathError(f"{path!r}: a checkpoint path cannot contain a NUL byte: remove it")
+        return Location("file", os.path.abspath(local))
     if url.scheme == "memory":
         key = (url.netloc + url.path).strip("/")
         if not key or ".." in key.split("/"):
