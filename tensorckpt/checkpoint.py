@@ -13,6 +13,7 @@ TensorStore decodes the chunks and verifies every CRC-32C; its errors become
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import math
 import os
@@ -25,18 +26,18 @@ import tensorstore as ts
 import torch
 
 from .adapters.state import unflatten
+from . import identify
 from .errors import (
-    CheckpointNotFoundError,
+    CheckpointChangedError,
     CorruptCheckpointError,
-    IncompleteCheckpointError,
     InvalidIndexError,
     TensorckptError,
 )
 from .format import dtypes
 from .format.keys import flat_key, split_flat_key
-from .format.metadata import RootMetadata, TensorEntry, loads, parse_root
+from .format.metadata import MAX_NODE_JSON_BYTES, MAX_ROOT_JSON_BYTES, RootMetadata, TensorEntry, loads, parse_root
 from .layout.boxes import Box, chunk_ranges
-from .storage import arrays, commit, direct, kv, location
+from .storage import arrays, commit, direct, kv, location, pinned
 
 # A read up to this size is allocated at once; a larger one first checks that
 # the array stores at least that many bytes (version 1 does not compress), so
@@ -66,34 +67,51 @@ class TensorInfo:
 
 def read_root(loc: location.Location) -> RootMetadata:
     """Read and validate the root metadata, telling apart a missing, an
-    incomplete and a committed checkpoint."""
-    return parse_root_bytes(loc, read_root_bytes(loc))
+    incomplete and a committed checkpoint, and something else (identify.py)."""
+    pin, data = open_pinned(loc)
+    pin.close()
+    return parse_root_bytes(loc, data)
 
 
 def read_root_bytes(loc: location.Location) -> bytes:
-    try:
-        data = read_object(loc, commit.ROOT_KEY)
+    pin, data = open_pinned(loc)
+    pin.close()
+    return data
+
+
+def open_pinned(loc: location.Location) -> tuple[pinned.Pin, bytes]:
+    """Resolve the checkpoint at ``loc`` once (spec 10.6): a pin on the
+    version found and its root ``zarr.json``. A replace that deletes the
+    version between the two is retried; a location without a root raises
+    what :func:`identify.no_root` finds there."""
+    where = f"{loc}/{commit.ROOT_KEY}"
+    for _ in range(5):
+        try:
+            pin = pinned.Pin(loc)
+        except FileNotFoundError:
+            identify.no_root(loc)
+            raise  # pragma: no cover - no_root raises
+        except NotADirectoryError:
+            identify.no_root(loc)
+            raise  # pragma: no cover
+        except OSError as e:
+            raise TensorckptError(f"{loc}: cannot be opened ({e.strerror or e})") from None
+        try:
+            gen, data = pin.read(commit.ROOT_KEY, MAX_ROOT_JSON_BYTES, where)
+        except (OSError, ValueError) as e:
+            pin.close()
+            raise TensorckptError(f"{where}: cannot be read ({short(e)})") from None
+        except BaseException:
+            pin.close()
+            raise
         if data is not None:
-            return data
-        stale = commit.leftovers(loc)
-        here = kv.exists(loc)
-        whole = [str(s) for s in stale if kv.read(s, commit.ROOT_KEY) is not None]
-    except NotADirectoryError:
-        raise CheckpointNotFoundError(f"{loc}: no checkpoint found (a parent is not a directory)") from None
-    except (OSError, ValueError) as e:
-        raise TensorckptError(f"{loc}/{commit.ROOT_KEY}: cannot be read ({short(e)})") from None
-    if not here and not stale:
-        raise CheckpointNotFoundError(f"{loc}: no checkpoint found")
-    found = ", ".join(str(s) for s in ([loc] if here else []) + stale)
-    hint = (
-        f" A complete checkpoint from an interrupted replace sits at {', '.join(whole)}: open or load it there."
-        if whole
-        else " Load an earlier checkpoint, or delete these and save again."
-    )
-    raise IncompleteCheckpointError(
-        f"{loc}: the checkpoint was never committed (no root zarr.json); an interrupted "
-        f"save left data at {found}.{hint}"
-    )
+            pin.remember_root(gen, data)
+            return pin, data
+        gone = loc.is_local and pin.changed()
+        pin.close()
+        if not gone:
+            identify.no_root(loc)
+    raise CheckpointChangedError(f"{loc}: the checkpoint was replaced again and again while it was opened; open it again")
 
 
 def parse_root_bytes(loc: location.Location, data: bytes) -> RootMetadata:
@@ -102,17 +120,14 @@ def parse_root_bytes(loc: location.Location, data: bytes) -> RootMetadata:
 
 
 def read_object(loc: location.Location, key: str) -> bytes | None:
-    """A small stored object (a ``zarr.json``), or None if absent. A local one
-    must be a regular file: opening a FIFO planted in a checkpoint would block
-    forever."""
+    """A small stored object (a ``zarr.json``), or None if absent: at most
+    ``MAX_NODE_JSON_BYTES``; a local one must be a regular file under plain
+    directories (a FIFO would block forever, a link leads out)."""
+    where = f"{loc}/{key}"
     if not loc.is_local:
-        return kv.read(loc, key)
-    path = os.path.join(loc.path, key)
+        return pinned.read_remote(loc, key, MAX_NODE_JSON_BYTES, where)[1]
     try:
-        if not stat.S_ISREG(os.stat(path).st_mode):
-            raise CorruptCheckpointError(f"{loc}/{key}: not a regular file")
-        with open(path, "rb") as f:
-            return f.read()
+        return pinned.read_local(loc.path, key, MAX_NODE_JSON_BYTES, where)
     except (FileNotFoundError, NotADirectoryError):
         return None
 
@@ -120,12 +135,86 @@ def read_object(loc: location.Location, key: str) -> bytes | None:
 class Checkpoint:
     """A committed checkpoint, opened read-only."""
 
-    def __init__(self, path, _root: RootMetadata | None = None) -> None:
+    def __init__(self, path, _root: RootMetadata | None = None, _pin: pinned.Pin | None = None) -> None:
         self.location = location.parse(path)
-        self._meta = _root if _root is not None else read_root(self.location)
+        self._pin_error: str | None = None
+        if _root is None:
+            _pin, data = open_pinned(self.location)
+            _root = parse_root_bytes(self.location, data)
+        elif _pin is None:  # a distributed load: rank 0 read the root; see same_version
+            try:
+                _pin = pinned.Pin(self.location)
+            except OSError as e:
+                self._pin_error = f"cannot be opened any more ({e.strerror or e})"
+        self._pin = _pin
+        # every object is read from the version resolved first (spec 10.6); messages name the path
+        self._read = _pin.read_loc if _pin is not None else self.location
+        self._meta = _root
         self._arrays: dict[str, ts.TensorStore] = {}
         self._checked: set[str] = set()  # arrays whose zarr.json agrees with the index
         self._plain_dirs: set[str] = set()  # local directories found to be real directories, not links
+
+    def close(self) -> None:
+        """Release the hold on the version read (a directory descriptor
+        locally); further reads fail. Also on leaving a ``with`` block."""
+        self._arrays.clear()
+        if self._pin is not None:
+            self._pin.close()
+
+    def __enter__(self) -> "Checkpoint":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    @property
+    def read_location(self) -> location.Location:
+        """Where this view reads objects: locally ``/proc/self/fd/N``, the
+        directory resolved at open (spec 10.6); else the location itself."""
+        return self._read
+
+    @property
+    def pinned(self) -> bool:
+        """Whether reads cannot see another version (a directory descriptor holds this one)."""
+        return self._pin is not None and self._pin.pinned
+
+    @property
+    def version_id(self) -> tuple[int, int] | None:
+        """Locally, the (device, inode) of the checkpoint directory this view reads."""
+        return self._pin.dir_id if self._pin is not None else None
+
+    def same_version(self, version_id: tuple[int, int] | None) -> None:
+        """Raise :class:`CheckpointChangedError` unless this view reads the
+        version ``version_id`` (another rank's :attr:`version_id`)."""
+        if self._pin_error is not None or (self.location.is_local and self.version_id != version_id):
+            raise CheckpointChangedError(
+                f"{self.path}: the checkpoint was replaced between the root read and this rank's open "
+                f"({self._pin_error or 'another directory'}); nothing was read: load again"
+            )
+
+    def changed(self) -> bool:
+        """Whether the checkpoint at the path is no longer the version this view reads."""
+        return self._pin is None or self._pin.changed()
+
+    @contextlib.contextmanager
+    def one_version(self):
+        """Reads inside see one version of the checkpoint, or raise
+        :class:`CheckpointChangedError` (retry) where a replace or deletion
+        overlapped them: a failure caused by one is not reported as
+        corruption, and where reads are not pinned to a directory (object
+        stores) the root is compared after them."""
+        try:
+            yield
+        except (CorruptCheckpointError, OSError):
+            if self.changed():
+                raise CheckpointChangedError(self._changed_message()) from None
+            raise
+        if not self.pinned and self.changed():
+            raise CheckpointChangedError(self._changed_message())
+
+    def _changed_message(self) -> str:
+        return (f"{self.path}: the checkpoint was replaced or deleted while it was read; nothing mixed from two "
+                "versions was returned: open or load it again")
 
     # -- metadata
     @property
@@ -160,11 +249,17 @@ class Checkpoint:
     # -- data
     def read(self, key, index=None):
         """The tensor at ``key`` (or only the region ``index``, a tuple of
-        slices / ints), or the stored value if ``key`` is a non-tensor leaf."""
+        slices / ints), or the stored value if ``key`` is a non-tensor leaf.
+        Raises :class:`CheckpointChangedError` (read again) where the
+        checkpoint was replaced since it was opened and the data is gone."""
         k = self._key(key)
         if k in self._meta.values and index is None:
             return self._meta.values[k]
         e = self._entry(k)
+        with self.one_version():
+            return self._read_tensor(k, e, index)
+
+    def _read_tensor(self, k: str, e: TensorEntry, index):
         self.check_arrays([k])
         norm = _normalize_index(index, e.shape, f"{self.path}: tensor {k!r}") if index is not None else ()
         rest = e.shape[len(norm):]  # the region read, in the array's coordinates (an int keeps its dimension)
@@ -178,7 +273,7 @@ class Checkpoint:
         out = np.empty(shape, dtype=d.numpy)
         strided = out.size != box.numel  # a slice with a step: only part of the box
         if out.size and not strided and direct.available(self.location.is_local) and direct.usable(e):
-            with direct.Pool(self.location.path, self.path) as pool:  # as load reads local checkpoints
+            with direct.Pool(self._read.path, self.path) as pool:  # as load reads local checkpoints
                 for f in pool.read(k, e, box, out.reshape(box.shape)):
                     f.result()
         else:
@@ -205,7 +300,7 @@ class Checkpoint:
         for k in todo:
             where = f"{self.path}/{k}/zarr.json"
             try:
-                self._arrays[k] = arrays.open_read(self.location, k, self._meta.tensors[k]).result()
+                self._arrays[k] = arrays.open_read(self._read, k, self._meta.tensors[k]).result()
             except ValueError as err:
                 raise CorruptCheckpointError(f"{where}: an array with this metadata cannot be opened ({short(err)})") from None
         return {k: self._arrays[k] for k in keys}
@@ -216,8 +311,8 @@ class Checkpoint:
         the first that does not. Each array is checked once."""
         todo = [k for k in keys if k not in self._checked]
         remote = todo and not self.location.is_local
-        store = ts.KvStore.open(self.location.kvstore(), context=location.CONTEXT).result() if remote else None
-        reads = {k: _start_read(self.location, store, f"{k}/zarr.json") for k in todo}
+        store = ts.KvStore.open(self._read.kvstore(), context=location.CONTEXT).result() if remote else None
+        reads = {k: _start_read(self._read, store, f"{k}/zarr.json") for k in todo}
         for k, pending in reads.items():
             where = f"{self.path}/{k}/zarr.json"
             try:
@@ -272,7 +367,7 @@ class Checkpoint:
 
     def _lstat_is(self, rel: str, kind, key: str) -> os.stat_result | None:
         try:
-            st = os.lstat(os.path.join(self.location.path, rel))
+            st = os.lstat(os.path.join(self._read.path, rel))
         except FileNotFoundError:
             return None  # a missing object is the reader's to report
         except OSError as e:
@@ -292,7 +387,7 @@ class Checkpoint:
         e = self._entry(key)
         grid = [-(-s // c) for s, c in zip(e.shape, e.chunk_shape)]
         out = {}
-        for name, size in _object_sizes(self.location, key):
+        for name, size in _object_sizes(self._read, key):
             parts = name.split("/")
             if parts[0] != "c" or len(parts) != len(grid) + 1 or not all(p.isascii() and p.isdigit() for p in parts[1:]):
                 continue
@@ -303,10 +398,11 @@ class Checkpoint:
 
     def to_state_dict(self) -> dict:
         """The whole checkpoint as a nested dict of tensors and values."""
-        self.open_arrays(list(self._meta.tensors))
         leaves = {split_flat_key(k): v for k, v in self._meta.values.items()}
-        for k in self._meta.tensors:
-            leaves[split_flat_key(k)] = self.read(k)
+        with self.one_version():
+            self.open_arrays(list(self._meta.tensors))
+            for k in self._meta.tensors:
+                leaves[split_flat_key(k)] = self.read(k)
         return unflatten(leaves)
 
     # -- helpers
@@ -341,7 +437,14 @@ def _start_read(loc: location.Location, store: ts.KvStore, key: str):
 
     def result() -> bytes | None:
         r = future.result()
-        return r.value if r.state == "value" else None
+        if r.state != "value":
+            return None
+        if len(r.value) > MAX_NODE_JSON_BYTES:
+            raise CorruptCheckpointError(
+                f"{loc}/{key}: more than {MAX_NODE_JSON_BYTES} bytes, larger than a reader accepts for an array "
+                "zarr.json (spec 12): it is damaged or forged"
+            )
+        return r.value
 
     return result
 
