@@ -463,7 +463,10 @@ def _object_sizes(loc: location.Location, prefix: str):
     top = os.path.join(loc.path, prefix)
     for folder, _, files in os.walk(top):
         for f in files:
-            st = os.lstat(os.path.join(folder, f))
+            try:
+                st = os.lstat(os.path.join(folder, f))
+            except FileNotFoundError:
+                continue  # deleted since it was listed (the checkpoint is being replaced: see one_version)
             size = st.st_size if stat.S_ISREG(st.st_mode) else None
             yield os.path.relpath(os.path.join(folder, f), top).replace(os.sep, "/"), size
 

@@ -96,15 +96,21 @@ def verify(path, *, progress: Progress | None = None, block_bytes: int = BLOCK_B
             progress(report.bytes, total)
 
     fast = direct.available(loc.is_local)
+    changed = CheckpointChangedError(
+        f"{ckpt.path}: the checkpoint was replaced or deleted while it was verified; verify it again"
+    )
     with ckpt, direct.Pool(ckpt.read_location.path, ckpt.path, threads=2) if fast else contextlib.nullcontext() as pool:
-        for key in sorted(ckpt.index.tensors):
-            usable = fast and direct.usable(ckpt.index.tensors[key])
-            _check_tensor(ckpt, key, report, tick, block_bytes, pool if usable else None)
+        try:
+            for key in sorted(ckpt.index.tensors):
+                usable = fast and direct.usable(ckpt.index.tensors[key])
+                _check_tensor(ckpt, key, report, tick, block_bytes, pool if usable else None)
+        except OSError:
+            if ckpt.changed():
+                raise changed from None
+            raise
         # problems a replace or deletion caused are not corruption; nor is a report of two versions
         if (report.problems or not ckpt.pinned) and ckpt.changed():
-            raise CheckpointChangedError(
-                f"{ckpt.path}: the checkpoint was replaced or deleted while it was verified; verify it again"
-            )
+            raise changed
     return report
 
 
