@@ -358,7 +358,12 @@ class Checkpoint:
         where = f"{self.path}/{key}/{arrays.chunk_key(pos)}"
         if size is None:
             raise CorruptCheckpointError(f"{where}: not a regular file (a link, FIFO or device; a writer makes none); tensor {key!r}")
-        most = arrays.object_bytes_bounds(self._meta.tensors[key], pos)[1]
+        least, most = arrays.object_bytes_bounds(self._meta.tensors[key], pos)
+        if size < least:  # as verify: TensorStore would trust its index and allocate what it claims
+            raise CorruptCheckpointError(
+                f"{where}: tensor {key!r}, chunk {pos}, is malformed (truncated or damaged, or its tensor entry forged): "
+                f"{size} bytes, but its inner chunks and index need at least {least}"
+            )
         if size > most:
             raise CorruptCheckpointError(
                 f"{where}: tensor {key!r}, chunk {pos}, is {size} bytes, more than its inner chunks and index "

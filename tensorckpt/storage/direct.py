@@ -296,6 +296,16 @@ class Reader:
                 f"offset {int(entries[j, 0])}, length {int(entries[j, 1])}, where {encoded} bytes inside the "
                 f"first {max(data_end, 0)} are expected"
             )
+        # the writer stores inner chunks back to back in C order of the inner grid (spec 7): refuse entries
+        # that overlap or come out of order, which a forged index uses to return one stored chunk twice
+        offsets_c = entries[:, 0].astype(np.int64)
+        if len(offsets_c) > 1 and (np.diff(offsets_c) < encoded).any():
+            j = int(np.argmax(np.diff(offsets_c) < encoded)) + 1
+            raise CorruptCheckpointError(
+                f"{where}, inner chunk {_inner(grid[j])}, is malformed (damaged or forged): its index entry "
+                f"(offset {int(offsets_c[j])}) overlaps or precedes that of inner chunk {_inner(grid[j - 1])} "
+                f"(offset {int(offsets_c[j - 1])}, {encoded} bytes); a writer stores them in order, without overlap"
+            )
         order = np.argsort(entries[:, 0], kind="stable")
         offsets = entries[order, 0].astype(np.int64)
         # runs of inner chunks stored back to back, each at most one buffer
