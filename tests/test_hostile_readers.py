@@ -83,8 +83,6 @@ def test_forged_index_entries_refused(ckpt, kind):
 
     _rewrite_index(ckpt / "model" / "w" / "c" / "1" / "0", change)
     for name, f in _readers(ckpt):
-        if name == "read strided":
-            continue  # through TensorStore, which places each inner chunk by its own index entry
         with pytest.raises(CorruptCheckpointError, match="overlaps or precedes"):
             f()
     report = tensorckpt.verify(ckpt)
@@ -250,6 +248,15 @@ def test_foreign_data_is_named_never_deleted(tmp_path, kind, capsys):
     err = capsys.readouterr().err
     assert says in err and "delete" not in err.lower()
     assert sorted(str(p) for p in tmp_path.rglob("*")) == before
+
+
+def test_closed_view_refuses_reads(ckpt):
+    """A closed view no longer holds its directory: reading is an error, never
+    a read of whatever now has its descriptor number."""
+    with tensorckpt.open(ckpt) as c:
+        assert torch.equal(c.read("model/w", index=(slice(1, 9, 3), 2)), W[1:9:3, 2])
+    with pytest.raises(tensorckpt.TensorckptError, match="closed"):
+        c.read("model/w")
 
 
 def test_plain_directory_without_root_is_not_called_an_interrupted_save(tmp_path):
