@@ -25,8 +25,8 @@ import numpy as np
 import tensorstore as ts
 import torch
 
-from .adapters.state import unflatten
 from . import identify
+from .adapters.state import unflatten
 from .errors import (
     CheckpointChangedError,
     CorruptCheckpointError,
@@ -35,7 +35,14 @@ from .errors import (
 )
 from .format import dtypes
 from .format.keys import flat_key, split_flat_key
-from .format.metadata import MAX_NODE_JSON_BYTES, MAX_ROOT_JSON_BYTES, RootMetadata, TensorEntry, loads, parse_root
+from .format.metadata import (
+    MAX_NODE_JSON_BYTES,
+    MAX_ROOT_JSON_BYTES,
+    RootMetadata,
+    TensorEntry,
+    loads,
+    parse_root,
+)
 from .layout.boxes import Box, chunk_ranges
 from .storage import arrays, commit, direct, kv, location, pinned
 

@@ -16,7 +16,12 @@ from __future__ import annotations
 import os
 import re
 
-from .errors import CheckpointNotFoundError, IncompleteCheckpointError, NotACheckpointError, TensorckptError
+from .errors import (
+    CheckpointNotFoundError,
+    IncompleteCheckpointError,
+    NotACheckpointError,
+    TensorckptError,
+)
 from .storage import commit, kv
 from .storage.location import Location
 

@@ -29,7 +29,11 @@ import numpy as np
 import tensorstore as ts
 
 from .checkpoint import Checkpoint, chunk_error, read_object
-from .errors import CheckpointChangedError, CorruptCheckpointError, IncompleteCheckpointError
+from .errors import (
+    CheckpointChangedError,
+    CorruptCheckpointError,
+    IncompleteCheckpointError,
+)
 from .format import dtypes
 from .format.metadata import loads
 from .layout.boxes import Box

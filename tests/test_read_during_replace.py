@@ -24,15 +24,13 @@ import subprocess
 import sys
 import time
 
-import pytest
-
 import tensorckpt
 
 _TESTS = os.path.dirname(os.path.abspath(__file__))
 if _TESTS not in sys.path:
     sys.path.insert(0, _TESTS)
 
-import replace_worker  # noqa: E402
+import replace_worker
 
 SCALE = float(os.environ.get("TENSORCKPT_REPLACE_READS", "1"))
 WORKER = os.path.join(_TESTS, "replace_worker.py")

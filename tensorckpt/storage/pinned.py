@@ -69,7 +69,7 @@ class Pin:
     def __del__(self) -> None:
         try:
             self.close()
-        except Exception:  # noqa: BLE001 - at interpreter exit
+        except Exception:  # noqa: BLE001, S110 - at interpreter exit
             pass
 
     @property
@@ -90,6 +90,8 @@ class Pin:
             except OSError:
                 return True
             if self.pinned:
+                if self.fd is None:
+                    return True  # closed
                 return (st.st_dev, st.st_ino) != self.identity or os.fstat(self.fd).st_nlink == 0
             try:
                 data = read_local(self.loc.path, "zarr.json", 1 << 62, str(self.loc))
@@ -109,7 +111,7 @@ class Pin:
         if not self.loc.is_local:
             return read_remote(self.loc, key, limit, where)
         data = read_local(self.fd if self.fd is not None else self.loc.path, key, limit, where)
-        if not self.pinned and key == "zarr.json":
+        if not self.pinned and key == "zarr.json" and self.fd is not None:
             st = os.fstat(self.fd)
             return (st.st_dev, st.st_ino), data
         return None, data
@@ -120,7 +122,7 @@ def read_local(top: int | str, key: str, limit: int, where: str) -> bytes | None
     opening every component without following links."""
     parts = key.split("/")
     own = isinstance(top, str)
-    cur = os.open(top, _DIR_FLAGS) if own else top
+    cur: int = os.open(top, _DIR_FLAGS) if isinstance(top, str) else top
     opened: list[int] = [cur] if own else []
     try:
         for i, part in enumerate(parts[:-1]):
