@@ -9,6 +9,11 @@ TensorStore is then opened with that checked metadata, so it never parses a
 stored JSON document itself (its parser crashes on deeply nested input).
 TensorStore decodes the chunks and verifies every CRC-32C; its errors become
 :class:`CorruptCheckpointError` naming the tensor and the stored chunk.
+
+A view reads one version (spec 10.6): it holds the directory it resolved
+(:mod:`tensorckpt.storage.pinned`) and reads everything through it; a read
+that a replace or deletion overlapped raises :class:`CheckpointChangedError`.
+A location without a root is classified by :mod:`tensorckpt.identify`.
 """
 
 from __future__ import annotations

@@ -119,3 +119,40 @@ def test_restore_during_overwrite_and_retention(tmp_path):
     counts = _run(["manager", root, str(seconds)], quota, root, seconds)
     _check(counts, least=min(50, int(100 * SCALE)))
     assert tensorckpt.CheckpointManager(root).latest() > 3
+
+
+def test_memory_store_readers_see_one_version():
+    """memory:// (an object store: no rename, 10.3): a thread replaces the
+    checkpoint while this one loads and reads it; the root is compared after
+    the reads, so a read that overlapped a replace raises
+    CheckpointChangedError instead of returning a mix."""
+    import threading
+
+    path = f"memory://replace-{os.getpid()}/ckpt"
+    tensorckpt.save(replace_worker.state(0), path, **OPTS)
+    stop = threading.Event()
+
+    def writer() -> None:
+        v = 1
+        while not stop.is_set():
+            tensorckpt.save(replace_worker.state(v), path, overwrite=True, **OPTS)
+            v += 1
+
+    t = threading.Thread(target=writer, daemon=True)
+    t.start()
+    counts = {"reads": 0, "whole": 0, "mixed": 0, "retry": {}, "other": []}
+    end = time.monotonic() + 8
+    try:
+        while time.monotonic() < end and counts["reads"] < int(300 * SCALE):
+            counts["reads"] += 1
+            kind = ("load", "read", "to_state_dict")[counts["reads"] % 3]
+            try:
+                seen = replace_worker.read_once(kind, path)
+            except replace_worker.RETRYABLE as e:
+                counts["retry"][type(e).__name__] = counts["retry"].get(type(e).__name__, 0) + 1
+                continue
+            counts["whole" if len(seen) == 1 else "mixed"] += 1
+    finally:
+        stop.set()
+        t.join(timeout=60)
+    _check({"memory": counts}, least=30)

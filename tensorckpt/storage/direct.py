@@ -23,7 +23,8 @@ disk works while the next one is encoded. The bytes are TensorStore's
 
 Nothing here trusts the stored object: its size, the index CRC, every
 index entry (offset, length == the inner chunk's encoded size, inside the
-object's data region) are checked before a byte of data is read; damage
+object's data region, in C order without overlap) are checked before a
+byte of data is read; damage
 raises :class:`CorruptCheckpointError` naming the object, chunk and inner
 chunk. Objects are opened ``O_NOFOLLOW | O_NONBLOCK`` and must be regular
 files, so a link or a FIFO planted as a chunk neither escapes nor blocks.
