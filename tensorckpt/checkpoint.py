@@ -9,10 +9,16 @@ TensorStore is then opened with that checked metadata, so it never parses a
 stored JSON document itself (its parser crashes on deeply nested input).
 TensorStore decodes the chunks and verifies every CRC-32C; its errors become
 :class:`CorruptCheckpointError` naming the tensor and the stored chunk.
+
+A view reads one version (spec 10.7): it holds the directory it resolved
+(:mod:`tensorckpt.storage.pinned`) and reads everything through it; a read
+that a replace or deletion overlapped raises :class:`CheckpointChangedError`.
+A location without a root is classified by :mod:`tensorckpt.identify`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import math
 import os
@@ -24,19 +30,27 @@ import numpy as np
 import tensorstore as ts
 import torch
 
+from . import identify
 from .adapters.state import unflatten
 from .errors import (
-    CheckpointNotFoundError,
+    CheckpointChangedError,
     CorruptCheckpointError,
-    IncompleteCheckpointError,
     InvalidIndexError,
     TensorckptError,
 )
 from .format import dtypes
 from .format.keys import flat_key, split_flat_key
-from .format.metadata import RootMetadata, TensorEntry, loads, parse_root
+from .format.metadata import (
+    MAX_NODE_JSON_BYTES,
+    MAX_ROOT_JSON_BYTES,
+    RootMetadata,
+    TensorEntry,
+    loads,
+    parse_root,
+)
 from .layout.boxes import Box, chunk_ranges
-from .storage import arrays, commit, direct, kv, location
+from .storage import arrays, commit, direct, kv, location, pinned
+from .storage.arrays import check_array_metadata
 
 # A read up to this size is allocated at once; a larger one first checks that
 # the array stores at least that many bytes (version 1 does not compress), so
@@ -66,34 +80,51 @@ class TensorInfo:
 
 def read_root(loc: location.Location) -> RootMetadata:
     """Read and validate the root metadata, telling apart a missing, an
-    incomplete and a committed checkpoint."""
-    return parse_root_bytes(loc, read_root_bytes(loc))
+    incomplete and a committed checkpoint, and something else (identify.py)."""
+    pin, data = open_pinned(loc)
+    pin.close()
+    return parse_root_bytes(loc, data)
 
 
 def read_root_bytes(loc: location.Location) -> bytes:
-    try:
-        data = read_object(loc, commit.ROOT_KEY)
+    pin, data = open_pinned(loc)
+    pin.close()
+    return data
+
+
+def open_pinned(loc: location.Location) -> tuple[pinned.Pin, bytes]:
+    """Resolve the checkpoint at ``loc`` once (spec 10.7): a pin on the
+    version found and its root ``zarr.json``. A replace that deletes the
+    version between the two is retried; a location without a root raises
+    what :func:`identify.no_root` finds there."""
+    where = f"{loc}/{commit.ROOT_KEY}"
+    for _ in range(5):
+        try:
+            pin = pinned.Pin(loc)
+        except FileNotFoundError:
+            identify.no_root(loc)
+            raise  # pragma: no cover - no_root raises
+        except NotADirectoryError:
+            identify.no_root(loc)
+            raise  # pragma: no cover
+        except OSError as e:
+            raise TensorckptError(f"{loc}: cannot be opened ({e.strerror or e})") from None
+        try:
+            gen, data = pin.read(commit.ROOT_KEY, MAX_ROOT_JSON_BYTES, where)
+        except (OSError, ValueError) as e:
+            pin.close()
+            raise TensorckptError(f"{where}: cannot be read ({short(e)})") from None
+        except BaseException:
+            pin.close()
+            raise
         if data is not None:
-            return data
-        stale = commit.leftovers(loc)
-        here = kv.exists(loc)
-        whole = [str(s) for s in stale if kv.read(s, commit.ROOT_KEY) is not None]
-    except NotADirectoryError:
-        raise CheckpointNotFoundError(f"{loc}: no checkpoint found (a parent is not a directory)") from None
-    except (OSError, ValueError) as e:
-        raise TensorckptError(f"{loc}/{commit.ROOT_KEY}: cannot be read ({short(e)})") from None
-    if not here and not stale:
-        raise CheckpointNotFoundError(f"{loc}: no checkpoint found")
-    found = ", ".join(str(s) for s in ([loc] if here else []) + stale)
-    hint = (
-        f" A complete checkpoint from an interrupted replace sits at {', '.join(whole)}: open or load it there."
-        if whole
-        else " Load an earlier checkpoint, or delete these and save again."
-    )
-    raise IncompleteCheckpointError(
-        f"{loc}: the checkpoint was never committed (no root zarr.json); an interrupted "
-        f"save left data at {found}.{hint}"
-    )
+            pin.remember_root(gen, data)
+            return pin, data
+        gone = loc.is_local and pin.changed()
+        pin.close()
+        if not gone:
+            identify.no_root(loc)
+    raise CheckpointChangedError(f"{loc}: the checkpoint was replaced again and again while it was opened; open it again")
 
 
 def parse_root_bytes(loc: location.Location, data: bytes) -> RootMetadata:
@@ -102,17 +133,14 @@ def parse_root_bytes(loc: location.Location, data: bytes) -> RootMetadata:
 
 
 def read_object(loc: location.Location, key: str) -> bytes | None:
-    """A small stored object (a ``zarr.json``), or None if absent. A local one
-    must be a regular file: opening a FIFO planted in a checkpoint would block
-    forever."""
+    """A small stored object (a ``zarr.json``), or None if absent: at most
+    ``MAX_NODE_JSON_BYTES``; a local one must be a regular file under plain
+    directories (a FIFO would block forever, a link leads out)."""
+    where = f"{loc}/{key}"
     if not loc.is_local:
-        return kv.read(loc, key)
-    path = os.path.join(loc.path, key)
+        return pinned.read_remote(loc, key, MAX_NODE_JSON_BYTES, where)[1]
     try:
-        if not stat.S_ISREG(os.stat(path).st_mode):
-            raise CorruptCheckpointError(f"{loc}/{key}: not a regular file")
-        with open(path, "rb") as f:
-            return f.read()
+        return pinned.read_local(loc.path, key, MAX_NODE_JSON_BYTES, where)
     except (FileNotFoundError, NotADirectoryError):
         return None
 
@@ -120,12 +148,91 @@ def read_object(loc: location.Location, key: str) -> bytes | None:
 class Checkpoint:
     """A committed checkpoint, opened read-only."""
 
-    def __init__(self, path, _root: RootMetadata | None = None) -> None:
+    def __init__(self, path, _root: RootMetadata | None = None, _pin: pinned.Pin | None = None) -> None:
         self.location = location.parse(path)
-        self._meta = _root if _root is not None else read_root(self.location)
+        self._pin_error: str | None = None
+        if _root is None:
+            _pin, data = open_pinned(self.location)
+            _root = parse_root_bytes(self.location, data)
+        elif _pin is None:  # a distributed load: rank 0 read the root; see same_version
+            try:
+                _pin = pinned.Pin(self.location)
+            except OSError as e:
+                self._pin_error = f"cannot be opened any more ({e.strerror or e})"
+        self._pin = _pin
+        # every object is read from the version resolved first (spec 10.7); messages name the path
+        self._read = _pin.read_loc if _pin is not None else self.location
+        self._meta = _root
         self._arrays: dict[str, ts.TensorStore] = {}
         self._checked: set[str] = set()  # arrays whose zarr.json agrees with the index
         self._plain_dirs: set[str] = set()  # local directories found to be real directories, not links
+
+    def close(self) -> None:
+        """Release the hold on the version read (a directory descriptor
+        locally); further reads fail. Also on leaving a ``with`` block."""
+        self._arrays.clear()
+        if self._pin is not None:
+            self._pin.close()
+
+    def __enter__(self) -> "Checkpoint":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    @property
+    def read_location(self) -> location.Location:
+        """Where this view reads objects: locally ``/proc/self/fd/N``, the
+        directory resolved at open (spec 10.7); else the location itself."""
+        return self._read
+
+    @property
+    def pinned(self) -> bool:
+        """Whether reads cannot see another version (a directory descriptor holds this one)."""
+        return self._pin is not None and self._pin.pinned
+
+    @property
+    def version_id(self) -> tuple[int, int] | None:
+        """Locally, the (device, inode) of the checkpoint directory this view reads."""
+        return self._pin.dir_id if self._pin is not None else None
+
+    def same_version(self, version_id: tuple[int, int] | None) -> None:
+        """Raise :class:`CheckpointChangedError` unless this view reads the
+        version ``version_id`` (another rank's :attr:`version_id`)."""
+        if self._pin_error is not None or (self.location.is_local and self.version_id != version_id):
+            raise CheckpointChangedError(
+                f"{self.path}: the checkpoint was replaced between the root read and this rank's open "
+                f"({self._pin_error or 'another directory'}); nothing was read: load again"
+            )
+
+    def changed(self) -> bool:
+        """Whether the checkpoint at the path is no longer the version this view reads."""
+        return self._pin is None or self._pin.changed()
+
+    @contextlib.contextmanager
+    def one_version(self):
+        """Reads inside see one version of the checkpoint, or raise
+        :class:`CheckpointChangedError` (retry) where a replace or deletion
+        overlapped them: a failure caused by one is not reported as
+        corruption, and where reads are not pinned to a directory (object
+        stores) the root is compared after them."""
+        self._check_open()
+        try:
+            yield
+        except (CorruptCheckpointError, OSError):
+            if self.changed():
+                raise CheckpointChangedError(self._changed_message()) from None
+            raise
+        if not self.pinned and self.changed():
+            raise CheckpointChangedError(self._changed_message())
+
+    def _check_open(self) -> None:
+        if self._pin is not None and self._pin.pinned and self._pin.fd is None:
+            raise TensorckptError(f"{self.path}: this view was closed; open the checkpoint again to read it")
+
+    def _changed_message(self) -> str:
+        return (f"{self.path}: the checkpoint was replaced or deleted while it was read; nothing mixed from two "
+                "versions was returned: open or load it again")
 
     # -- metadata
     @property
@@ -160,11 +267,17 @@ class Checkpoint:
     # -- data
     def read(self, key, index=None):
         """The tensor at ``key`` (or only the region ``index``, a tuple of
-        slices / ints), or the stored value if ``key`` is a non-tensor leaf."""
+        slices / ints), or the stored value if ``key`` is a non-tensor leaf.
+        Raises :class:`CheckpointChangedError` (read again) where the
+        checkpoint was replaced since it was opened and the data is gone."""
         k = self._key(key)
         if k in self._meta.values and index is None:
             return self._meta.values[k]
         e = self._entry(k)
+        with self.one_version():
+            return self._read_tensor(k, e, index)
+
+    def _read_tensor(self, k: str, e: TensorEntry, index):
         self.check_arrays([k])
         norm = _normalize_index(index, e.shape, f"{self.path}: tensor {k!r}") if index is not None else ()
         rest = e.shape[len(norm):]  # the region read, in the array's coordinates (an int keeps its dimension)
@@ -177,10 +290,19 @@ class Checkpoint:
         self.check_objects(k, box)
         out = np.empty(shape, dtype=d.numpy)
         strided = out.size != box.numel  # a slice with a step: only part of the box
-        if out.size and not strided and direct.available(self.location.is_local) and direct.usable(e):
-            with direct.Pool(self.location.path, self.path) as pool:  # as load reads local checkpoints
+        fast = out.size and direct.available(self.location.is_local) and direct.usable(e)
+        if fast and not strided:
+            with direct.Pool(self._read.path, self.path) as pool:  # as load reads local checkpoints
                 for f in pool.read(k, e, box, out.reshape(box.shape)):
                     f.result()
+        elif fast and box.numel * d.itemsize <= max(TRUSTED_READ_BYTES, 4 * out.nbytes):
+            # a strided read: the box around it, by the same reader and checks, then every step-th element
+            self._check_backed(k, box.numel * d.itemsize)
+            whole = np.empty(box.shape, dtype=d.numpy)
+            with direct.Pool(self._read.path, self.path) as pool:
+                for f in pool.read(k, e, box, whole):
+                    f.result()
+            out[...] = whole[tuple(slice(None, None, ix.step) if isinstance(ix, slice) else 0 for ix in norm)]
         else:
             self.read_into(k, self.array(k)[norm] if norm else self.array(k), out)
         return dtypes.from_numpy(out, d)
@@ -205,7 +327,7 @@ class Checkpoint:
         for k in todo:
             where = f"{self.path}/{k}/zarr.json"
             try:
-                self._arrays[k] = arrays.open_read(self.location, k, self._meta.tensors[k]).result()
+                self._arrays[k] = arrays.open_read(self._read, k, self._meta.tensors[k]).result()
             except ValueError as err:
                 raise CorruptCheckpointError(f"{where}: an array with this metadata cannot be opened ({short(err)})") from None
         return {k: self._arrays[k] for k in keys}
@@ -214,10 +336,11 @@ class Checkpoint:
         """Check that every array's stored ``zarr.json`` agrees with its index
         entry (spec section 7); raise :class:`CorruptCheckpointError` naming
         the first that does not. Each array is checked once."""
+        self._check_open()
         todo = [k for k in keys if k not in self._checked]
         remote = todo and not self.location.is_local
-        store = ts.KvStore.open(self.location.kvstore(), context=location.CONTEXT).result() if remote else None
-        reads = {k: _start_read(self.location, store, f"{k}/zarr.json") for k in todo}
+        store = ts.KvStore.open(self._read.kvstore(), context=location.CONTEXT).result() if remote else None
+        reads = {k: _start_read(self._read, store, f"{k}/zarr.json") for k in todo}
         for k, pending in reads.items():
             where = f"{self.path}/{k}/zarr.json"
             try:
@@ -237,6 +360,7 @@ class Checkpoint:
         A file larger than its inner chunks and index can take is refused
         too: TensorStore reads the span of the ranges it wants in one
         allocation, which a forged sparse file makes abort the process."""
+        self._check_open()
         if not self.location.is_local:
             return
         e = self._meta.tensors[key]
@@ -263,7 +387,12 @@ class Checkpoint:
         where = f"{self.path}/{key}/{arrays.chunk_key(pos)}"
         if size is None:
             raise CorruptCheckpointError(f"{where}: not a regular file (a link, FIFO or device; a writer makes none); tensor {key!r}")
-        most = arrays.object_bytes_bounds(self._meta.tensors[key], pos)[1]
+        least, most = arrays.object_bytes_bounds(self._meta.tensors[key], pos)
+        if size < least:  # as verify: TensorStore would trust its index and allocate what it claims
+            raise CorruptCheckpointError(
+                f"{where}: tensor {key!r}, chunk {pos}, is malformed (truncated or damaged, or its tensor entry forged): "
+                f"{size} bytes, but its inner chunks and index need at least {least}"
+            )
         if size > most:
             raise CorruptCheckpointError(
                 f"{where}: tensor {key!r}, chunk {pos}, is {size} bytes, more than its inner chunks and index "
@@ -272,7 +401,7 @@ class Checkpoint:
 
     def _lstat_is(self, rel: str, kind, key: str) -> os.stat_result | None:
         try:
-            st = os.lstat(os.path.join(self.location.path, rel))
+            st = os.lstat(os.path.join(self._read.path, rel))
         except FileNotFoundError:
             return None  # a missing object is the reader's to report
         except OSError as e:
@@ -289,10 +418,11 @@ class Checkpoint:
         in bytes (None: not a regular file). Found by listing, so the work is
         proportional to what is stored, never to what the index claims.
         Other objects are ignored."""
+        self._check_open()
         e = self._entry(key)
         grid = [-(-s // c) for s, c in zip(e.shape, e.chunk_shape)]
         out = {}
-        for name, size in _object_sizes(self.location, key):
+        for name, size in _object_sizes(self._read, key):
             parts = name.split("/")
             if parts[0] != "c" or len(parts) != len(grid) + 1 or not all(p.isascii() and p.isdigit() for p in parts[1:]):
                 continue
@@ -303,10 +433,11 @@ class Checkpoint:
 
     def to_state_dict(self) -> dict:
         """The whole checkpoint as a nested dict of tensors and values."""
-        self.open_arrays(list(self._meta.tensors))
         leaves = {split_flat_key(k): v for k, v in self._meta.values.items()}
-        for k in self._meta.tensors:
-            leaves[split_flat_key(k)] = self.read(k)
+        with self.one_version():
+            self.open_arrays(list(self._meta.tensors))
+            for k in self._meta.tensors:
+                leaves[split_flat_key(k)] = self.read(k)
         return unflatten(leaves)
 
     # -- helpers
@@ -341,7 +472,14 @@ def _start_read(loc: location.Location, store: ts.KvStore, key: str):
 
     def result() -> bytes | None:
         r = future.result()
-        return r.value if r.state == "value" else None
+        if r.state != "value":
+            return None
+        if len(r.value) > MAX_NODE_JSON_BYTES:
+            raise CorruptCheckpointError(
+                f"{loc}/{key}: more than {MAX_NODE_JSON_BYTES} bytes, larger than a reader accepts for an array "
+                "zarr.json (spec 12): it is damaged or forged"
+            )
+        return r.value
 
     return result
 
@@ -360,80 +498,12 @@ def _object_sizes(loc: location.Location, prefix: str):
     top = os.path.join(loc.path, prefix)
     for folder, _, files in os.walk(top):
         for f in files:
-            st = os.lstat(os.path.join(folder, f))
+            try:
+                st = os.lstat(os.path.join(folder, f))
+            except FileNotFoundError:
+                continue  # deleted since it was listed (the checkpoint is being replaced: see one_version)
             size = st.st_size if stat.S_ISREG(st.st_mode) else None
             yield os.path.relpath(os.path.join(folder, f), top).replace(os.sep, "/"), size
-
-
-# ----------------------------------------------------------------- array metadata
-
-
-def check_array_metadata(doc: object, entry: TensorEntry, where: str) -> None:
-    """Check an array's ``zarr.json`` against its index entry, as spec
-    section 7 requires: exactly the members tensorckpt writes, where a member
-    equal to its Zarr default may be omitted, ``dimension_names`` and
-    ``must_understand: false`` extensions are ignored, and only
-    ``attributes.tensorckpt.dtype`` of the attributes is checked."""
-    if not isinstance(doc, dict):
-        raise CorruptCheckpointError(f"{where}: not a JSON object")
-    want = {"zarr_format": 3, "node_type": "array", **arrays.zarr_metadata(entry)}
-    if doc.get("storage_transformers", []) != []:
-        raise CorruptCheckpointError(f"{where}: storage_transformers are not allowed")
-    got = {
-        k: v for k, v in doc.items()
-        if k not in ("dimension_names", "storage_transformers")
-        and not (isinstance(v, dict) and v.get("must_understand") is False and k not in want)
-    }
-    _fill_defaults(got, dtypes.BY_TORCH[entry.dtype].itemsize)
-    attrs = got.get("attributes")
-    if isinstance(attrs, dict) and isinstance(attrs.get("tensorckpt"), dict):
-        got["attributes"] = {"tensorckpt": {"dtype": attrs["tensorckpt"].get("dtype")}}
-    if _same(got.get("fill_value"), want["fill_value"], numbers=True):
-        got["fill_value"] = want["fill_value"]  # 0 and 0.0 are the same JSON number
-    for member in sorted(want.keys() | got.keys()):
-        if member not in want:
-            raise CorruptCheckpointError(f"{where}: unexpected member {member!r}")
-        if member not in got:
-            raise CorruptCheckpointError(f"{where}: member {member!r} is missing")
-        if not _same(got[member], want[member]):
-            raise CorruptCheckpointError(
-                f"{where}: {member} is {_clip(got[member])} but the checkpoint index implies {_clip(want[member])}"
-            )
-
-
-def _fill_defaults(doc: dict, itemsize: int) -> None:
-    """Put back the members Zarr lets a writer omit (spec section 7), where
-    the documents around them have the expected shape."""
-    enc = doc.get("chunk_key_encoding")
-    if isinstance(enc, dict) and enc.get("name") == "default" and "configuration" not in enc:
-        doc["chunk_key_encoding"] = {**enc, "configuration": {"separator": "/"}}
-    codecs = doc.get("codecs")
-    if not (isinstance(codecs, list) and len(codecs) == 1 and isinstance(codecs[0], dict)):
-        return
-    cfg = codecs[0].get("configuration")
-    if not isinstance(cfg, dict):
-        return
-    cfg = {"index_location": "end", **cfg}
-    inner = cfg.get("codecs")
-    if itemsize == 1 and isinstance(inner, list) and inner and inner[0] == {"name": "bytes"}:
-        cfg["codecs"] = [{"name": "bytes", "configuration": {"endian": "little"}}, *inner[1:]]
-    doc["codecs"] = [{**codecs[0], "configuration": cfg}]
-
-
-def _same(a: object, b: object, numbers: bool = False) -> bool:
-    """JSON equality that tells true from 1, and (unless ``numbers``) 1 from 1.0."""
-    if isinstance(a, dict) and isinstance(b, dict):
-        return a.keys() == b.keys() and all(_same(a[k], b[k], numbers) for k in a)
-    if isinstance(a, list) and isinstance(b, list):
-        return len(a) == len(b) and all(_same(x, y, numbers) for x, y in zip(a, b))
-    if numbers and type(a) in (int, float) and type(b) in (int, float):
-        return a == b
-    return type(a) is type(b) and a == b
-
-
-def _clip(v: object, limit: int = 120) -> str:
-    s = repr(v)
-    return s if len(s) <= limit else s[:limit] + "..."
 
 
 # ----------------------------------------------------------------- indices

@@ -12,7 +12,7 @@ behind, by the rule of spec section 10.5:
   the rest of it goes, as in section 10.3;
 - a symbolic link (or any other non-directory special file) named like a
   leftover is not one: it is left alone, and nothing is ever deleted
-  through a link (spec 10.6). ``removed`` reports what really happened: a
+  through a link (spec 10.5 rule 7). ``removed`` reports what really happened: a
   removal that failed is reported as kept, with the error.
 """
 

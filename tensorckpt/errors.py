@@ -48,3 +48,15 @@ class InvalidPathError(TensorckptError, ValueError):
 
 class InvalidIndexError(TensorckptError, IndexError):
     """A region requested from a stored tensor is out of bounds or malformed."""
+
+
+class CheckpointChangedError(TensorckptError):
+    """The checkpoint was replaced or deleted while it was being read.
+    Nothing mixed from two versions was returned; reading again (open or
+    load again) sees the checkpoint now at the path."""
+
+
+class NotACheckpointError(TensorckptError, ValueError):
+    """The path holds something that is not a tensorckpt checkpoint (a torch
+    DCP directory, a safetensors or torch.save file, a Hugging Face model, a
+    CheckpointManager root); the message says what it is and how to use it."""

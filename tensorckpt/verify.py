@@ -29,7 +29,11 @@ import numpy as np
 import tensorstore as ts
 
 from .checkpoint import Checkpoint, chunk_error, read_object
-from .errors import CorruptCheckpointError, IncompleteCheckpointError
+from .errors import (
+    CheckpointChangedError,
+    CorruptCheckpointError,
+    IncompleteCheckpointError,
+)
 from .format import dtypes
 from .format.metadata import loads
 from .layout.boxes import Box
@@ -96,10 +100,21 @@ def verify(path, *, progress: Progress | None = None, block_bytes: int = BLOCK_B
             progress(report.bytes, total)
 
     fast = direct.available(loc.is_local)
-    with direct.Pool(loc.path, ckpt.path, threads=2) if fast else contextlib.nullcontext() as pool:
-        for key in sorted(ckpt.index.tensors):
-            usable = fast and direct.usable(ckpt.index.tensors[key])
-            _check_tensor(ckpt, key, report, tick, block_bytes, pool if usable else None)
+    changed = CheckpointChangedError(
+        f"{ckpt.path}: the checkpoint was replaced or deleted while it was verified; verify it again"
+    )
+    with ckpt, direct.Pool(ckpt.read_location.path, ckpt.path, threads=2) if fast else contextlib.nullcontext() as pool:
+        try:
+            for key in sorted(ckpt.index.tensors):
+                usable = fast and direct.usable(ckpt.index.tensors[key])
+                _check_tensor(ckpt, key, report, tick, block_bytes, pool if usable else None)
+        except OSError:
+            if ckpt.changed():
+                raise changed from None
+            raise
+        # problems a replace or deletion caused are not corruption; nor is a report of two versions
+        if (report.problems or not ckpt.pinned) and ckpt.changed():
+            raise changed
     return report
 
 
@@ -109,7 +124,7 @@ def _check_groups(ckpt: Checkpoint, report: VerifyReport) -> None:
     for prefix in sorted(prefixes):
         where = f"{ckpt.path}/{prefix}/zarr.json"
         try:
-            data = read_object(ckpt.location, f"{prefix}/zarr.json")
+            data = read_object(ckpt.read_location, f"{prefix}/zarr.json")
             if data is None:
                 raise CorruptCheckpointError(f"{where}: missing; every prefix of a tensor's key must be a group")
             doc = loads(data, where)

@@ -28,7 +28,7 @@ import torch
 from ..adapters import registry
 from ..adapters.sharded import local_part
 from ..adapters.state import flatten, set_leaf
-from ..checkpoint import Checkpoint, parse_root_bytes, read_root_bytes, wait
+from ..checkpoint import Checkpoint, open_pinned, parse_root_bytes, wait
 from ..errors import IncompatibleStateError, TensorckptError
 from ..format import dtypes
 from ..layout.boxes import Box, bytes_fetched
@@ -93,6 +93,12 @@ def load(
     shape, a corrupt chunk) raises on every rank the same error, naming
     every failing rank. Pass a :class:`LoadStats` as ``stats`` to learn the
     bytes read versus needed on this rank.
+
+    Every rank reads the one version of the checkpoint that rank 0 found at
+    ``path`` (spec 10.7). If a replace or a deletion of the checkpoint
+    overlaps the load so that this version cannot be read whole, the load
+    raises :class:`~tensorckpt.errors.CheckpointChangedError` (tensors of
+    ``state`` may then hold part of that version): load again.
     """
     t0 = time.perf_counter()
     g = Group(process_group)
@@ -100,13 +106,29 @@ def load(
     what = f"load from {loc}"
     if g.distributed and not loc.is_local:
         raise TensorckptError(f"{loc}: memory:// stores are per process; a distributed load needs a shared file path")
-    raw = g.collective(None, lambda _: read_root_bytes(loc), what=what)
-    ckpt = Checkpoint(loc, _root=parse_root_bytes(loc, raw))  # the same bytes on every rank: the same outcome
+    held: dict = {}
+
+    def root(_) -> tuple[bytes, object]:
+        held["pin"], raw = open_pinned(loc)  # rank 0 resolves the version every rank reads (spec 10.7)
+        return raw, held["pin"].dir_id
+
+    raw, version = g.collective(None, root, what=what)
+    ckpt = Checkpoint(loc, _root=parse_root_bytes(loc, raw), _pin=held.get("pin"))  # the same bytes everywhere
+    try:
+        return _load(state, ckpt, g, version, strict, partial, cast, stats, t0)
+    finally:
+        ckpt.close()
+
+
+def _load(state: MutableMapping, ckpt: Checkpoint, g: Group, version, strict: bool, partial: bool, cast: bool,
+          stats: LoadStats | None, t0: float) -> MutableMapping:
+    what = f"load from {ckpt.location}"
     index = ckpt.index
     ctx = registry.Context(state, g.rank, g.size, strict=strict, partial=partial)
     prepared: dict = {}
 
     def prepare() -> tuple[list[str], list[str]]:
+        ckpt.same_version(version)  # every rank reads the directory rank 0 resolved, or all fail
         plain, finish = registry.for_load(state, index, ctx)  # objects (modules, ...) load through plain targets
         targets = flatten(plain, False)
         stored = set(index.tensors) | set(index.values)
@@ -126,13 +148,14 @@ def load(
                 "" if missing else ", or partial=True to load a part of the checkpoint"
             )
             raise IncompatibleStateError(f"{msg}. {hint}")
-        warnings.warn(msg + " (skipped, strict=False)", stacklevel=2)
+        warnings.warn(msg + " (skipped, strict=False)", stacklevel=3)
 
     stats = stats if stats is not None else LoadStats()
     stats.seconds["plan"] = time.perf_counter() - t0
 
     def read() -> None:
-        _read_into(ckpt, prepared["reads"], stats)
+        with ckpt.one_version():  # a replace during the reads: CheckpointChangedError, never mixed data
+            _read_into(ckpt, prepared["reads"], stats)
         plain = prepared["plain"]
         for key, leaf in prepared["targets"].items():
             if key in index.values:
@@ -215,7 +238,7 @@ def _read_into(ckpt: Checkpoint, targets: dict[str, tuple[torch.Tensor, Box]], s
     fast = direct.available(ckpt.location.is_local)
     slow = [k for k in targets if not (fast and direct.usable(ckpt.index.tensors[k]))]
     srcs = ckpt.open_arrays(slow)
-    pool = direct.Pool(ckpt.location.path, ckpt.path) if len(slow) < len(targets) else None
+    pool = direct.Pool(ckpt.read_location.path, ckpt.path) if len(slow) < len(targets) else None
     pending: collections.deque = collections.deque()
     in_flight, copy_seconds = 0, 0.0
 

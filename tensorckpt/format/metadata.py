@@ -29,6 +29,8 @@ MAX_INT = 2**64 - 1
 MIN_INT = -(2**63)
 MAX_ELEMENTS = 2**62  # no real tensor is larger; rejects hostile shapes early
 MAX_DEPTH = 256  # deepest JSON nesting, and most components of a flat key, a reader accepts (spec 12)
+MAX_ROOT_JSON_BYTES = 256 << 20  # the largest root zarr.json a reader parses (spec 12)
+MAX_NODE_JSON_BYTES = 16 << 20  # the largest array or group zarr.json a reader parses (spec 12)
 
 
 @dataclass(frozen=True)

@@ -23,7 +23,8 @@ disk works while the next one is encoded. The bytes are TensorStore's
 
 Nothing here trusts the stored object: its size, the index CRC, every
 index entry (offset, length == the inner chunk's encoded size, inside the
-object's data region) are checked before a byte of data is read; damage
+object's data region, no two overlapping) are checked before a
+byte of data is read; damage
 raises :class:`CorruptCheckpointError` naming the object, chunk and inner
 chunk. Objects are opened ``O_NOFOLLOW | O_NONBLOCK`` and must be regular
 files, so a link or a FIFO planted as a chunk neither escapes nor blocks.
@@ -297,6 +298,18 @@ class Reader:
                 f"first {max(data_end, 0)} are expected"
             )
         order = np.argsort(entries[:, 0], kind="stable")
+        # no two inner chunks may share stored bytes (a forged index that points two of them at the same,
+        # intact bytes would return them twice); in which order they are stored is the writer's choice
+        # (the reference writer: C order; zarr-python: another)
+        sorted_at = entries[order, 0].astype(np.int64)
+        if len(sorted_at) > 1 and (np.diff(sorted_at) < encoded).any():
+            j = int(np.argmax(np.diff(sorted_at) < encoded))
+            a, b = order[j], order[j + 1]
+            raise CorruptCheckpointError(
+                f"{where}, inner chunks {_inner(grid[a])} and {_inner(grid[b])}, are malformed (damaged or forged): "
+                f"their index entries (offsets {int(sorted_at[j])} and {int(sorted_at[j + 1])}, {encoded} bytes each) "
+                "overlap; a writer stores each inner chunk in bytes of its own"
+            )
         offsets = entries[order, 0].astype(np.int64)
         # runs of inner chunks stored back to back, each at most one buffer
         per_buf = max(1, BUFFER_BYTES // encoded)
