@@ -23,6 +23,7 @@ from .engine.async_save import SaveHandle, async_save
 from .engine.load import LoadStats, load
 from .engine.save import SaveStats, save
 from .errors import (
+    CheckpointChangedError,
     CheckpointExistsError,
     CheckpointNotFoundError,
     CorruptCheckpointError,
@@ -30,6 +31,7 @@ from .errors import (
     IncompleteCheckpointError,
     InvalidIndexError,
     InvalidPathError,
+    NotACheckpointError,
     TensorckptError,
     UnsupportedValueError,
     UnsupportedVersionError,
@@ -52,7 +54,7 @@ def open(path) -> Checkpoint:  # noqa: A001 - the public name the API promises
 
 __all__ = [
     "save", "async_save", "SaveHandle", "load", "open", "ShardedTensor", "LoadStats", "SaveStats", "shift_layers", "stage_offset", "Checkpoint", "CheckpointMetadata", "TensorInfo", "FORMAT_VERSION",
-    "TensorckptError", "CheckpointNotFoundError", "CheckpointExistsError", "IncompleteCheckpointError",
+    "TensorckptError", "CheckpointNotFoundError", "CheckpointExistsError", "CheckpointChangedError", "NotACheckpointError", "IncompleteCheckpointError",
     "UnsupportedVersionError", "CorruptCheckpointError", "IncompatibleStateError",
     "UnsupportedValueError", "InvalidPathError", "InvalidIndexError",
     "rng_state", "ResumableSampler", "per_rank",

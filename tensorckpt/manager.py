@@ -60,7 +60,7 @@ from .engine.async_save import async_save as _async_save
 from .engine.group import Group
 from .engine.load import load as _load
 from .engine.save import save as _save
-from .errors import CheckpointExistsError, TensorckptError
+from .errors import CheckpointChangedError, CheckpointExistsError, TensorckptError
 from .storage import commit, kv, location
 
 STEP_PREFIX = "step-"
@@ -320,7 +320,11 @@ class CheckpointManager:
                 _load(state, self.step_path(s), process_group=self.process_group, strict=strict, partial=partial,
                       cast=cast, stats=stats)
                 return s
-            except Exception:
+            except CheckpointChangedError:  # replaced or retired while read (spec 10.7): read again
+                if attempt == RESTORE_ATTEMPTS - 1:
+                    raise
+                continue
+            except Exception:  # raised on every rank alike (load's errors are collective)
                 if step is not None or attempt == RESTORE_ATTEMPTS - 1:
                     raise
                 gone = g.collective(None, lambda _, s=s: not self._scan().get(s, _Entry()).committed,
