@@ -441,6 +441,18 @@ def test_overwrite_replaces_incomplete_checkpoint(tmp_path):
     assert sorted(os.listdir(tmp_path)) == ["ckpt"]
 
 
+def test_overwrite_refuses_an_uncommitted_checkpoint_holding_other_files(tmp_path):
+    """Only what a save writes below a root is taken for an interrupted checkpoint (spec 10.6):
+    one foreign file among its Zarr nodes makes the directory foreign, and it stays."""
+    p = tmp_path / "ckpt"
+    tensorckpt.save({"a": torch.ones(2)}, p)
+    (p / "zarr.json").unlink()
+    (p / "notes.txt").write_text("mine")
+    with pytest.raises(tensorckpt.CheckpointExistsError, match="not a tensorckpt checkpoint"):
+        tensorckpt.save({"b": torch.zeros(2)}, p, overwrite=True)
+    assert (p / "notes.txt").read_text() == "mine" and (p / "a" / "zarr.json").exists()
+
+
 # ----------------------------------------------------------------- load targets
 
 

@@ -179,6 +179,26 @@ def test_spec_examples_conform():
         assert _errors(ROOT if kind == "root" else ARRAY, json.loads(body)) == []
 
 
+def test_spec_example_is_what_save_writes(tmp_path):
+    """format-v1.md section 14's listing and root document are what the reference writer writes for
+    the example state: the same objects, of the stated sizes (the root's within the few bytes that
+    save_stats' timing digits vary by), and a root with the same members."""
+    text = (SPEC / "format-v1.md").read_text()
+    section = text[text.index("## 14. Example"):]
+    listing = re.search(r"```\n(zarr\.json .*?)```", section, re.S).group(1)
+    stated = {m.group(1): int(m.group(2)) for m in re.finditer(r"^(\S+)\s+(\d+) bytes", listing, re.M)}
+    path = tmp_path / "example"
+    tensorckpt.save({"model": {"w": torch.randn(4, 3), "b": torch.zeros(3, dtype=torch.bfloat16)}, "step": 3}, path)
+    written = {str(p.relative_to(path)): p.stat().st_size for p in path.rglob("*") if p.is_file()}
+    assert set(written) == set(stated), (written, stated)
+    for name, size in stated.items():
+        assert abs(written[name] - size) <= (12 if name == "zarr.json" else 0), (name, written[name], size)
+    example = json.loads(re.findall(r"<!-- schema: root -->\s*```json\n(.*?)```", section, re.S)[0])
+    real = json.loads((path / "zarr.json").read_bytes())
+    assert set(example["attributes"]["tensorckpt"]) == set(real["attributes"]["tensorckpt"])
+    assert example["attributes"]["tensorckpt"]["tensors"] == real["attributes"]["tensorckpt"]["tensors"]
+
+
 def test_flat_key_pattern_is_the_reference_canonical_form():
     pattern = re.compile(ROOT_SCHEMA["$defs"]["flatKey"]["pattern"])
     rnd = random.Random(1)

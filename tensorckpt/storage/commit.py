@@ -126,6 +126,8 @@ def describe_foreign(target: Location) -> str | None:
         if not names:
             return None
         if ROOT_KEY not in names:
+            if _local_leftover(target.path):
+                return None  # an uncommitted checkpoint's Zarr nodes (its root deleted first, 10.5 rule 6)
             steps = any(n.startswith("step-") for n in names)
             return (f"a directory of {len(names)} entr{'y' if len(names) == 1 else 'ies'} with no root zarr.json"
                     + (" (step-* directories: a CheckpointManager root)" if steps else ""))
@@ -148,12 +150,37 @@ def describe_foreign(target: Location) -> str | None:
             + (" (checkpoints below it: a CheckpointManager root)" if below else ""))
 
 
+def _local_leftover(path: str, limit: int = 1_000_000) -> bool:
+    """Whether the directory ``path`` holds only what a save writes below a
+    checkpoint's root: Zarr ``zarr.json`` nodes, none of them a checkpoint
+    root, and chunk objects under ``c/`` directories; no links, no special
+    files (a checkpoint whose root was deleted first, then interrupted)."""
+    seen = 0
+    for top, dirs, files in os.walk(path, followlinks=False):
+        for name in dirs + files:
+            seen += 1
+            full = os.path.join(top, name)
+            st = os.lstat(full)
+            if seen > limit or not (stat.S_ISDIR(st.st_mode) or stat.S_ISREG(st.st_mode)):
+                return False
+        rel = os.path.relpath(top, path).split(os.sep)
+        for name in files:
+            if name == ROOT_KEY:
+                with open(os.path.join(top, name), "rb") as f:
+                    if _is_root(f.read(1 << 24)):
+                        return False  # a checkpoint below: a manager root, or another run's
+            elif "c" not in rel:
+                return False
+    return True
+
+
 def _is_root(doc: bytes | None) -> bool:
     try:
         d = json.loads(doc or b"")
     except ValueError:
         return False
-    return isinstance(d, dict) and isinstance(d.get("attributes"), dict) and "tensorckpt" in d["attributes"]
+    return (isinstance(d, dict) and d.get("node_type") == "group" and isinstance(d.get("attributes"), dict)
+            and "tensorckpt" in d["attributes"])  # an array's zarr.json has tensorckpt attributes too
 
 
 def begin(target: Location, overwrite: bool, token: str) -> Commit:
