@@ -25,6 +25,7 @@ from .engine.save import SaveStats, save
 from .errors import (
     CheckpointChangedError,
     CheckpointExistsError,
+    CheckpointPermissionError,
     CheckpointNotFoundError,
     CorruptCheckpointError,
     IncompatibleStateError,
@@ -54,7 +55,7 @@ def open(path) -> Checkpoint:  # noqa: A001 - the public name the API promises
 
 __all__ = [
     "save", "async_save", "SaveHandle", "load", "open", "ShardedTensor", "LoadStats", "SaveStats", "shift_layers", "stage_offset", "Checkpoint", "CheckpointMetadata", "TensorInfo", "FORMAT_VERSION",
-    "TensorckptError", "CheckpointNotFoundError", "CheckpointExistsError", "CheckpointChangedError", "NotACheckpointError", "IncompleteCheckpointError",
+    "TensorckptError", "CheckpointNotFoundError", "CheckpointExistsError", "CheckpointChangedError", "CheckpointPermissionError", "NotACheckpointError", "IncompleteCheckpointError",
     "UnsupportedVersionError", "CorruptCheckpointError", "IncompatibleStateError",
     "UnsupportedValueError", "InvalidPathError", "InvalidIndexError",
     "rng_state", "ResumableSampler", "per_rank",

@@ -60,3 +60,8 @@ class NotACheckpointError(TensorckptError, ValueError):
     """The path holds something that is not a tensorckpt checkpoint (a torch
     DCP directory, a safetensors or torch.save file, a Hugging Face model, a
     CheckpointManager root); the message says what it is and how to use it."""
+
+
+class CheckpointPermissionError(TensorckptError, PermissionError):
+    """A stored object exists but this process may not read it (file
+    permissions): not corruption; fix the permissions or read as its owner."""

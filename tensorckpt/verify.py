@@ -31,8 +31,10 @@ import tensorstore as ts
 from .checkpoint import Checkpoint, chunk_error, read_object
 from .errors import (
     CheckpointChangedError,
+    CheckpointPermissionError,
     CorruptCheckpointError,
     IncompleteCheckpointError,
+    TensorckptError,
 )
 from .format import dtypes
 from .format.metadata import loads
@@ -48,7 +50,7 @@ Progress = Callable[[int, int], None]  # (bytes checked so far, bytes in all ten
 
 @dataclass(frozen=True)
 class Problem:
-    kind: str  # "incomplete" (never committed) or "corrupt"
+    kind: str  # "incomplete" (never committed), "corrupt", or "permission" (exists, may not be read)
     where: str  # the file or stored object at fault
     message: str
 
@@ -69,6 +71,8 @@ class VerifyReport:
     def status(self) -> str:
         if any(p.kind == "incomplete" for p in self.problems):
             return "incomplete"
+        if self.problems and all(p.kind == "permission" for p in self.problems):
+            return "unreadable"
         return "corrupt" if self.problems else "ok"
 
     def to_json(self) -> dict:
@@ -159,11 +163,12 @@ def _check_tensor(ckpt: Checkpoint, key: str, report: VerifyReport, tick, block_
         try:
             for future in futures:
                 future.result()
-        except (ValueError, CorruptCheckpointError) as err:
+        except (ValueError, CorruptCheckpointError, CheckpointPermissionError) as err:
             if pos not in failed:
                 failed.add(pos)
-                msg = str(err) if isinstance(err, CorruptCheckpointError) else chunk_error(ckpt.path, key, str(err))
-                report.problems.append(Problem("corrupt", _object(where, pos), msg))
+                msg = str(err) if isinstance(err, TensorckptError) else chunk_error(ckpt.path, key, str(err))
+                kind = "permission" if isinstance(err, CheckpointPermissionError) else "corrupt"
+                report.problems.append(Problem(kind, _object(where, pos), msg))
             return
         report.bytes += nbytes
         tick()

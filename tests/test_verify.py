@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import random
 import shutil
 import struct
@@ -245,3 +246,56 @@ def test_verify_incomplete_and_corrupt_root(tmp_path):
 def test_verify_raises_when_nothing_to_verify(tmp_path):
     with pytest.raises(tensorckpt.CheckpointNotFoundError):
         tensorckpt.verify(tmp_path / "nope")
+
+
+@pytest.mark.skipif(not hasattr(os, "geteuid") or os.geteuid() != 0, reason="needs root to switch to an unprivileged user")
+def test_unreadable_chunk_is_permission_not_corruption():
+    """A chunk this process may not read (EACCES) is reported as such by verify
+    (kind "permission", status "unreadable") and raised as CheckpointPermissionError
+    (a PermissionError) by load and read: not called corrupt."""
+    import multiprocessing as mp
+
+    import tempfile
+
+    base = Path(tempfile.mkdtemp(dir="/tmp"))  # pytest's tmp_path is below a 0700 directory of root's
+    try:
+        _unreadable_chunk(base)
+    finally:
+        shutil.rmtree(base)
+
+
+def _unreadable_chunk(base: Path) -> None:
+    import multiprocessing as mp
+
+    os.chmod(base, 0o755)
+    p = base / "c"
+    tensorckpt.save({"w": torch.randn(64, 64)}, p)
+    for d in [*[x for x in p.rglob("*") if x.is_dir()], p]:
+        os.chmod(d, 0o755)
+    for f in (x for x in p.rglob("*") if x.is_file()):
+        os.chmod(f, 0o644)
+    os.chmod(p / "w" / "c" / "0" / "0", 0o000)
+    q = mp.get_context("fork").Queue()
+    proc = mp.get_context("fork").Process(target=_as_nobody, args=(str(p), q))
+    proc.start()
+    proc.join(60)
+    got = q.get(timeout=5)
+    assert got["verify"] == ("unreadable", ["permission"]), got
+    assert got["load"][0] == "CheckpointPermissionError" and "permission denied" in got["load"][1], got
+    assert got["read"][0] == "CheckpointPermissionError", got
+
+
+def _as_nobody(path: str, q) -> None:
+    os.setegid(65534)
+    os.seteuid(65534)
+    out = {}
+    r = tensorckpt.verify(path)
+    out["verify"] = (r.status, [x.kind for x in r.problems])
+    for name, fn in (("load", lambda: tensorckpt.load({"w": torch.zeros(64, 64)}, path)),
+                     ("read", lambda: tensorckpt.open(path).read("w"))):
+        try:
+            fn()
+            out[name] = ("ok", "")
+        except Exception as e:  # noqa: BLE001 - reported to the test
+            out[name] = (type(e).__name__, str(e))
+    q.put(out)

@@ -43,7 +43,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
 
-from ..errors import CorruptCheckpointError
+from ..errors import CheckpointPermissionError, CorruptCheckpointError
 from ..format import dtypes
 from ..format.metadata import TensorEntry
 from ..layout.boxes import Box, chunk_box, chunk_ranges, read_plan
@@ -240,6 +240,10 @@ class Reader:
             fd = os.open(os.path.join(self.root, rel), os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
         except FileNotFoundError:
             raise CorruptCheckpointError(f"{where}, is missing") from None
+        except PermissionError:
+            raise CheckpointPermissionError(
+                f"{where}, cannot be read: permission denied (the file exists; fix its permissions, or read as its owner)"
+            ) from None
         except OSError as err:
             raise CorruptCheckpointError(f"{where}, cannot be opened ({err.strerror}; a link or unreadable file)") from None
         try:
