@@ -143,35 +143,45 @@ def describe_foreign(target: Location) -> str | None:
     if ROOT_KEY in keys:
         return None if _is_root(kv.read(target, ROOT_KEY)) else "objects whose zarr.json is not a tensorckpt root"
     # an interrupted in-place save (10.3 step 1): Zarr nodes, none of them a checkpoint root
-    below = any(_is_root(kv.read(target, k)) for k in keys if k.endswith("/" + ROOT_KEY))
-    if not below and all(k.split("/")[-1] == ROOT_KEY or "/c/" in f"/{k}" for k in keys):
-        return None  # Zarr nodes and chunks only, none of them a checkpoint root
+    below = _root_below(keys, lambda k: kv.read(target, k))
+    if not below and _nodes_and_chunks(keys):
+        return None
     return (f"{len(keys)} object(s) that are not the leftovers of a save"
             + (" (checkpoints below it: a CheckpointManager root)" if below else ""))
 
 
 def _local_leftover(path: str, limit: int = 1_000_000) -> bool:
     """Whether the directory ``path`` holds only what a save writes below a
-    checkpoint's root: Zarr ``zarr.json`` nodes, none of them a checkpoint
-    root, and chunk objects under ``c/`` directories; no links, no special
-    files (a checkpoint whose root was deleted first, then interrupted)."""
-    seen = 0
+    checkpoint's root (:func:`_nodes_and_chunks`, no checkpoint root below),
+    and no links or special files: a checkpoint whose root was deleted
+    first, then interrupted (10.5 rule 6)."""
+    keys: list[str] = []
     for top, dirs, files in os.walk(path, followlinks=False):
         for name in dirs + files:
-            seen += 1
-            full = os.path.join(top, name)
-            st = os.lstat(full)
-            if seen > limit or not (stat.S_ISDIR(st.st_mode) or stat.S_ISREG(st.st_mode)):
+            mode = os.lstat(os.path.join(top, name)).st_mode
+            if not (stat.S_ISDIR(mode) or stat.S_ISREG(mode)):
                 return False
-        rel = os.path.relpath(top, path).split(os.sep)
-        for name in files:
-            if name == ROOT_KEY:
-                with open(os.path.join(top, name), "rb") as f:
-                    if _is_root(f.read(1 << 24)):
-                        return False  # a checkpoint below: a manager root, or another run's
-            elif "c" not in rel:
-                return False
-    return True
+        rel = os.path.relpath(top, path)
+        keys += [name if rel == "." else f"{rel}/{name}".replace(os.sep, "/") for name in files]
+        if len(keys) > limit:
+            return False
+
+    def read(key: str) -> bytes:
+        with open(os.path.join(path, key), "rb") as f:
+            return f.read(1 << 24)
+
+    return _nodes_and_chunks(keys) and not _root_below(keys, read)
+
+
+def _nodes_and_chunks(keys: list[str]) -> bool:
+    """Every key is a Zarr node (``.../zarr.json``) or a chunk (below a ``c/``)."""
+    return all(k.split("/")[-1] == ROOT_KEY or "/c/" in f"/{k}" for k in keys)
+
+
+def _root_below(keys: list[str], read) -> bool:
+    """Whether a ``zarr.json`` below the top is a checkpoint root (a manager
+    root, another run's checkpoint): then it is not one checkpoint's leftover."""
+    return any(_is_root(read(k)) for k in keys if k.endswith("/" + ROOT_KEY))
 
 
 def _is_root(doc: bytes | None) -> bool:
