@@ -64,3 +64,19 @@ def test_throttled_disk_limits_writes(tmp_path):
         down = subprocess.run(["bash", SCRIPT, "down", where], capture_output=True, text=True, timeout=120)
     assert down.returncode == 0, down.stderr
     assert not os.path.ismount(where)
+
+
+def test_gpu_check_skips_without_cuda_and_its_checks_run_on_cpu(tmp_path):
+    """benchmarks/gpu_check.py exits 0 saying it skipped where there is no
+    CUDA, and its checks (round trips, mutation after async_save, pool reuse)
+    pass when run on CPU tensors, so the script works the day a GPU runs it."""
+    import torch
+
+    script = os.path.join(ROOT, "benchmarks", "gpu_check.py")
+    if not torch.cuda.is_available():
+        r = subprocess.run([sys.executable, script], capture_output=True, text=True, timeout=120, cwd=ROOT)
+        assert r.returncode == 0 and "skipped: no CUDA device" in r.stdout, r.stdout + r.stderr
+    r = subprocess.run([sys.executable, script, "--cpu", "--size-mib", "4", "--saves", "4", "--dir", str(tmp_path)],
+                       capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    assert "FAIL" not in r.stdout and r.stdout.count("ok   ") == 4, r.stdout
