@@ -16,6 +16,7 @@ CASES = {
     "bench_single": ["--size-gib", "0.01", "--reps", "1", "--d-model", "64"],
     "bench_small": ["--tensors", "50", "--numel", "64", "--reps", "1", "--load-mib", "8"],
     "bench_dist": ["--size-gib", "0.03", "--reps", "1", "--dcp-threads", "2"],
+    "bench_background": ["--size-gib", "0.01", "--reps", "1", "--baseline-s", "0.3", "--savers", "tensorckpt,dcp thread"],
     "bench_plan_scale": ["--ranks", "64", "128", "--layers", "2"],
 }
 
