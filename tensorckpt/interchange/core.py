@@ -340,7 +340,7 @@ def write_tensorckpt(
             if writing is not None:
                 writing.result()
         # the last part: no data, only every group's zarr.json (values' groups too)
-        groups = _Part(plan.entries, {k: -1 for k in plan.entries}, plan.values)
+        groups = _Part(plan.entries, dict.fromkeys(plan.entries, -1), plan.values)
         _write_batch({}, groups, c.write_to, stats)
         stats.bytes_written = sum(e.nbytes for e in plan.entries.values())
         phases = ("plan", "stage", "write", "sync")  # spec 9.7's save_stats, for the one writer

@@ -76,7 +76,7 @@ class SafetensorsSource(Source):
         names: dict[str, str] = {}
         for f in files:
             header, start, _, meta = read_header(f)
-            for name, (dtype, shape, begin, end) in header.items():
+            for name, (dtype, shape, begin, _end) in header.items():
                 if name in names:
                     raise CorruptCheckpointError(f"{f}: tensor {name!r} is also in {names[name]}")
                 names[name] = f
@@ -279,7 +279,7 @@ def _write_file(source: Source, path: str, shard, memory_bytes: int, bar: Progre
     raw += b" " * (-(8 + len(raw)) % 8)  # data starts 8-byte aligned, as safetensors writes it
     with open(path, "wb") as f:
         f.write(len(raw).to_bytes(8, "little") + raw)
-        for (t, a, b, d), data in prefetch(source, _jobs(source, shard, memory_bytes // 2)):
+        for (t, a, b, _d), data in prefetch(source, _jobs(source, shard, memory_bytes // 2)):
             if not data.is_contiguous():
                 data = data.contiguous()
             f.write(memoryview(_bytes_view(data)))  # type: ignore[arg-type]
