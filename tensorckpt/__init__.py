@@ -10,14 +10,18 @@ arrays, written and read through TensorStore, resharded at load time.
 
 __version__ = "0.1.0"
 
+import os
+
 import tensorckpt_zarr_dtypes as _zarr_dtypes
 
+from . import cli  # noqa: F401 - tensorckpt.cli (cli.inspect) is public
+from .adapters.per_rank import per_rank
 from .adapters.pipeline import shift_layers, stage_offset
 from .adapters.registry import register as register_adapter
-from .adapters.per_rank import per_rank
 from .adapters.rng import rng_state
 from .adapters.sharded import ShardedTensor
 from .checkpoint import Checkpoint, CheckpointMetadata, TensorInfo
+from .clean import CleanReport, clean
 from .data import ResumableSampler
 from .engine.async_save import SaveHandle, async_save
 from .engine.load import LoadStats, load
@@ -25,8 +29,8 @@ from .engine.save import SaveStats, save
 from .errors import (
     CheckpointChangedError,
     CheckpointExistsError,
-    CheckpointPermissionError,
     CheckpointNotFoundError,
+    CheckpointPermissionError,
     CorruptCheckpointError,
     IncompatibleStateError,
     IncompleteCheckpointError,
@@ -38,24 +42,23 @@ from .errors import (
     UnsupportedVersionError,
 )
 from .format.metadata import FORMAT_VERSION
-from .verify import VerifyReport, verify
-from .clean import CleanReport, clean
-from .manager import CheckpointManager, StepInfo
 from .interchange import convert, load_safetensors
-from . import cli  # noqa: E402  (tensorckpt.cli.inspect is public)
-
+from .manager import CheckpointManager, StepInfo
+from .verify import VerifyReport, verify
 
 _zarr_dtypes.register()  # zarr-python in this process reads bfloat16/float8 arrays too
 
 
-def open(path) -> Checkpoint:  # noqa: A001 - the public name the API promises
+def open(path: str | os.PathLike[str]) -> Checkpoint:  # noqa: A001 - the public name the API promises
     """Open a committed checkpoint read-only (no process group needed)."""
     return Checkpoint(path)
 
 
 __all__ = [
-    "save", "async_save", "SaveHandle", "load", "open", "ShardedTensor", "LoadStats", "SaveStats", "shift_layers", "stage_offset", "Checkpoint", "CheckpointMetadata", "TensorInfo", "FORMAT_VERSION",
-    "TensorckptError", "CheckpointNotFoundError", "CheckpointExistsError", "CheckpointChangedError", "CheckpointPermissionError", "NotACheckpointError", "IncompleteCheckpointError",
+    "save", "async_save", "SaveHandle", "load", "open", "ShardedTensor", "LoadStats", "SaveStats",
+    "shift_layers", "stage_offset", "Checkpoint", "CheckpointMetadata", "TensorInfo", "FORMAT_VERSION",
+    "TensorckptError", "CheckpointNotFoundError", "CheckpointExistsError", "CheckpointChangedError",
+    "CheckpointPermissionError", "NotACheckpointError", "IncompleteCheckpointError",
     "UnsupportedVersionError", "CorruptCheckpointError", "IncompatibleStateError",
     "UnsupportedValueError", "InvalidPathError", "InvalidIndexError",
     "rng_state", "ResumableSampler", "per_rank",

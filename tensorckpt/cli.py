@@ -36,6 +36,7 @@ import os
 import re
 import sys
 import time
+from typing import Protocol, TextIO
 
 from . import monitor
 from .checkpoint import Checkpoint
@@ -46,7 +47,7 @@ from .format.keys import split_flat_key
 from .verify import verify as verify_checkpoint
 
 
-def _size(n: int) -> str:
+def _size(n: float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB"):
         if n < 1024 or unit == "GiB":
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
@@ -67,10 +68,18 @@ def _safe(text: str) -> str:
     return _CONTROL.sub(lambda m: f"\\x{ord(m.group(0)):02x}", text)
 
 
+class Stream(Protocol):
+    """Where a command prints: ``sys.stdout``, an ``io.StringIO``, any text stream."""
+
+    def write(self, text: str, /) -> int: ...
+
+    def flush(self) -> None: ...
+
+
 class _SafeOut:
     """A text stream that escapes control characters in what is written."""
 
-    def __init__(self, stream) -> None:
+    def __init__(self, stream: Stream) -> None:
         self.stream = stream
 
     def write(self, text: str) -> int:
@@ -80,9 +89,10 @@ class _SafeOut:
         self.stream.flush()
 
 
-def convert(args, out=None) -> int:
+def convert(args: argparse.Namespace, out: Stream | None = None) -> int:
     """``tensorckpt convert``: :func:`tensorckpt.convert` with a progress bar."""
     from .interchange import convert as convert_checkpoint
+    from .interchange.core import ImportReport
 
     out = out or sys.stdout
     options = {k: v for k, v in (("only", args.only), ("strip_prefix", args.strip_prefix), ("add_prefix", args.add_prefix),
@@ -92,12 +102,12 @@ def convert(args, out=None) -> int:
     result = convert_checkpoint(args.src, args.dst, src_format=args.from_format, dtype=args.dtype,
                                 progress=False if args.quiet else None, **options)
     detail = f" ({result.tensors} tensors, {result.values} values, {_size(result.bytes_read)} in {result.seconds:.1f} s)" \
-        if hasattr(result, "tensors") else ""
+        if isinstance(result, ImportReport) else ""
     print(f"converted {args.src} -> {args.dst}{detail}", file=out)
     return 0
 
 
-def inspect(path: str, as_json: bool = False, out=None) -> int:
+def inspect(path: str, as_json: bool = False, out: Stream | None = None) -> int:
     out = _SafeOut(out or sys.stdout)
     try:
         ckpt = Checkpoint(path)
@@ -131,14 +141,15 @@ def inspect(path: str, as_json: bool = False, out=None) -> int:
         pad = "  " * (len(path_) - 1)
         label = pad + _name(path_[-1])
         if key in idx.tensors:
-            e = idx.tensors[key]
-            print(f"{label:<48} {list(e.shape)!s:<20} {e.dtype:<14} {_size(e.nbytes):>10}", file=out)
+            entry = idx.tensors[key]
+            print(f"{label:<48} {list(entry.shape)!s:<20} {entry.dtype:<14} {_size(entry.nbytes):>10}", file=out)
         else:
             print(f"{label:<48} = {json.dumps(idx.values[key])[:80]}", file=out)
     return 0
 
 
-def verify(path: str, as_json: bool = False, quiet: bool = False, out=None, err=None) -> int:
+def verify(path: str, as_json: bool = False, quiet: bool = False, out: Stream | None = None,
+           err: TextIO | None = None) -> int:
     """Check a checkpoint completely (:func:`tensorckpt.verify`), with a
     progress bar on ``err`` when it is a terminal. Returns 0 if all is well,
     1 if the checkpoint is incomplete or corrupt."""
@@ -162,7 +173,7 @@ def verify(path: str, as_json: bool = False, quiet: bool = False, out=None, err=
 
 
 def clean(path: str, older_than: float = DEFAULT_OLDER_THAN, dry_run: bool = False, as_json: bool = False,
-          out=None) -> int:
+          out: Stream | None = None) -> int:
     """Remove the leftovers of interrupted saves to ``path`` that the rule of
     spec 10.5 allows (:func:`tensorckpt.clean`); report what went and what
     stayed, and why."""
@@ -188,7 +199,7 @@ class _Progress:
 
     WIDTH = 30
 
-    def __init__(self, stream) -> None:
+    def __init__(self, stream: TextIO) -> None:
         self.stream = stream
         self.shown = 0.0  # when the bar was last drawn
 
@@ -209,7 +220,7 @@ class _Progress:
             self.stream.flush()
 
 
-def list_steps(root: str, as_json: bool = False, out=None) -> int:
+def list_steps(root: str, as_json: bool = False, out: Stream | None = None) -> int:
     """The steps under a :class:`tensorckpt.CheckpointManager` root."""
     from .manager import CheckpointManager
 
@@ -229,7 +240,7 @@ def list_steps(root: str, as_json: bool = False, out=None) -> int:
     return 0
 
 
-def validate(path: str, as_json: bool = False, out=None) -> int:
+def validate(path: str, as_json: bool = False, out: Stream | None = None) -> int:
     """``python -m conformance.validate PATH``: the validator lives in the
     conformance directory of a source checkout, and imports no tensorckpt."""
     try:

@@ -22,7 +22,9 @@ import collections
 import contextlib
 import itertools
 import math
-from collections.abc import Callable
+import os
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -46,6 +48,8 @@ IN_FLIGHT = 4  # blocks read concurrently
 SHOWN_MISSING = 5  # missing chunks named in a report; the rest are counted
 
 Progress = Callable[[int, int], None]  # (bytes checked so far, bytes in all tensors)
+# the reads of one block in flight: (chunk position, bytes, what to wait on)
+_Job = tuple[tuple[int, ...], int, Sequence[Future[None] | ts.WriteFutures]]
 
 
 @dataclass(frozen=True)
@@ -83,7 +87,7 @@ class VerifyReport:
         }
 
 
-def verify(path, *, progress: Progress | None = None, block_bytes: int = BLOCK_BYTES) -> VerifyReport:
+def verify(path: str | os.PathLike[str], *, progress: Progress | None = None, block_bytes: int = BLOCK_BYTES) -> VerifyReport:
     """Check the checkpoint at ``path`` completely; see the module docstring.
     ``progress(done, total)`` is called as tensor bytes are checked."""
     loc = location.parse(path)
@@ -138,13 +142,17 @@ def _check_groups(ckpt: Checkpoint, report: VerifyReport) -> None:
             report.problems.append(Problem("corrupt", where, str(e)))
 
 
-def _check_tensor(ckpt: Checkpoint, key: str, report: VerifyReport, tick, block_bytes: int, pool=None) -> None:
+def _check_tensor(ckpt: Checkpoint, key: str, report: VerifyReport, tick: Callable[[], None], block_bytes: int,
+                  pool: direct.Pool | None = None) -> None:
     """Check one tensor's metadata and every stored chunk: through ``pool``
     (:mod:`tensorckpt.storage.direct`, local checkpoints) or TensorStore."""
     e = ckpt.index.tensors[key]
     where = f"{ckpt.path}/{key}"
     try:
-        arr = ckpt.array(key) if pool is None else ckpt.check_arrays([key])  # the pool reads without TensorStore
+        if pool is None:
+            arr = ckpt.array(key)
+        else:
+            ckpt.check_arrays([key])  # the pool reads without TensorStore
     except CorruptCheckpointError as err:
         report.problems.append(Problem("corrupt", f"{where}/zarr.json", str(err)))
         return  # its chunks cannot be interpreted
@@ -156,9 +164,9 @@ def _check_tensor(ckpt: Checkpoint, key: str, report: VerifyReport, tick, block_
     _report_missing(key, where, grid, stored, report)
     d = dtypes.BY_TORCH[e.dtype]
     failed: set[tuple[int, ...]] = set()
-    pending: collections.deque = collections.deque()
+    pending: collections.deque[_Job] = collections.deque()
 
-    def settle(job) -> None:
+    def settle(job: _Job) -> None:
         pos, nbytes, futures = job
         try:
             for future in futures:
@@ -187,6 +195,7 @@ def _check_tensor(ckpt: Checkpoint, key: str, report: VerifyReport, tick, block_
         hi = tuple(min(a + c, s) for a, c, s in zip(lo, e.chunk_shape, e.shape))
         for blo, bhi in _blocks(lo, hi, e.inner_chunk_shape, d.itemsize, block_bytes):
             out = np.empty(tuple(h - l for l, h in zip(blo, bhi)), dtype=d.numpy)
+            futures: Sequence[Future[None] | ts.WriteFutures]
             if pool is not None:
                 futures = pool.read(key, e, Box(tuple(blo), out.shape), out)
             else:
@@ -220,7 +229,7 @@ def _report_missing(key: str, where: str, grid: list[int], stored: dict, report:
     ))
 
 
-def _positions(grid: list[int]):
+def _positions(grid: list[int]) -> Iterator[tuple[int, ...]]:
     """Grid positions in C order, lazily: ``itertools.product`` would first
     build every ``range`` as a tuple, 2^31 entries for a forged grid."""
     pos = [0] * len(grid)
@@ -239,7 +248,9 @@ def _object(where: str, pos: tuple[int, ...]) -> str:
     return f"{where}/{arrays.chunk_key(pos)}"
 
 
-def _blocks(lo: tuple[int, ...], hi: tuple[int, ...], inner: tuple[int, ...], itemsize: int, limit: int):
+def _blocks(
+    lo: tuple[int, ...], hi: tuple[int, ...], inner: tuple[int, ...], itemsize: int, limit: int
+) -> Iterator[tuple[tuple[int, ...], tuple[int, ...]]]:
     """Split the box ``[lo, hi)`` (one chunk, within the array) into blocks
     along inner-chunk boundaries, each at most ``limit`` bytes unless a single
     inner chunk is larger. Leading dimensions are cut first."""

@@ -27,7 +27,7 @@ class DType:
     fill_value: object = 0  # JSON fill_value written in zarr.json
 
 
-def _d(torch_name, zarr_name, np_type, view_as=None, fill=0):
+def _d(torch_name: str, zarr_name: str, np_type: type, view_as: torch.dtype | None = None, fill: object = 0) -> DType:
     npd = np.dtype(np_type)
     return DType(torch_name, zarr_name, npd, npd.itemsize, view_as, fill)
 

@@ -30,6 +30,7 @@ from __future__ import annotations
 import os
 import warnings
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -43,7 +44,7 @@ OPTIONS = ("to_format", "only", "strip_prefix", "add_prefix", "max_shard_size", 
            "shard_bytes", "inner_chunk_bytes", "metadata")
 
 
-def detect(src) -> str:
+def detect(src: str | os.PathLike[str]) -> str:
     """The format of what is at ``src``."""
     text = os.fspath(src) if not isinstance(src, str) else src
     loc = location.parse(text)
@@ -74,7 +75,7 @@ def detect(src) -> str:
     raise TensorckptError(f"{src}: nothing there")
 
 
-def _dst_format(dst) -> str:
+def _dst_format(dst: str | os.PathLike[str]) -> str:
     d = os.fspath(dst) if not isinstance(dst, str) else dst
     if d.endswith(".safetensors"):
         return "safetensors"
@@ -83,7 +84,7 @@ def _dst_format(dst) -> str:
     return "tensorckpt"
 
 
-def open_source(src, fmt: str) -> core.Source:
+def open_source(src: str | os.PathLike[str], fmt: str) -> core.Source:
     path = os.fspath(src) if not isinstance(src, str) else src
     if fmt == "tensorckpt":
         from .native import CheckpointSource
@@ -106,14 +107,14 @@ def open_source(src, fmt: str) -> core.Source:
 
 
 def convert(
-    src,
-    dst,
+    src: str | os.PathLike[str],
+    dst: str | os.PathLike[str],
     *,
     src_format: str | None = None,
     rename: Callable[[str], str | None] | None = None,
     dtype: torch.dtype | str | None = None,
     progress: bool | None = None,
-    **options,
+    **options: Any,
 ) -> core.ImportReport | list[str] | None:
     """Convert the checkpoint at ``src`` into ``dst`` (module docstring).
 

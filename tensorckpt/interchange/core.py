@@ -32,12 +32,13 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import math
+import os
 import sys
 import time
 from collections.abc import Callable, Iterable, Iterator
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, cast
+from typing import Any, TextIO, cast
 
 import torch
 
@@ -105,7 +106,7 @@ class Source:
     def __enter__(self) -> Source:
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
 
@@ -183,12 +184,14 @@ def read_cast(source: Source, t: SourceTensor, start: int, stop: int, dtype: tor
     return data if data.dtype == dtype else data.to(dtype)
 
 
-def prefetch(source: Source, jobs: Iterable[tuple[SourceTensor, int, int, torch.dtype]]):
+def prefetch(
+    source: Source, jobs: Iterable[tuple[SourceTensor, int, int, torch.dtype]]
+) -> Iterator[tuple[tuple[SourceTensor, int, int, torch.dtype], torch.Tensor]]:
     """``(job, rows read)`` for each ``(tensor, start, stop, dtype)`` job in
     order, the next one read by a background thread while the caller writes
     the current one: reading and writing overlap, with two slabs in memory."""
     with ThreadPoolExecutor(1, thread_name_prefix="tensorckpt-read") as pool:
-        ahead = None
+        ahead: tuple[tuple[SourceTensor, int, int, torch.dtype], Future[torch.Tensor]] | None = None
         for job in jobs:
             fut = pool.submit(read_cast, source, *job)
             if ahead is not None:
@@ -213,14 +216,14 @@ class Progress:
     """Bytes done out of a total: tqdm when installed and ``stream`` is a
     terminal, else a plain one-line bar on stderr; nothing when disabled."""
 
-    def __init__(self, total: int, label: str, enabled: bool | None = None, stream=None) -> None:
+    def __init__(self, total: int, label: str, enabled: bool | None = None, stream: TextIO | None = None) -> None:
         self.stream = stream or sys.stderr
         on = enabled if enabled is not None else bool(getattr(self.stream, "isatty", lambda: False)())
         self.total, self.done, self.label, self.shown, self.bar = total, 0, label, 0.0, None
         self.enabled = on
         if on:
             try:
-                from tqdm import tqdm  # type: ignore[import-untyped]
+                from tqdm import tqdm
             except ImportError:
                 tqdm = None
             if tqdm is not None:
@@ -282,7 +285,7 @@ class ImportReport:
 
 def write_tensorckpt(
     source: Source,
-    dst,
+    dst: str | os.PathLike[str],
     *,
     sel: Selection,
     dtype: torch.dtype | None = None,
@@ -340,7 +343,7 @@ def write_tensorckpt(
             if writing is not None:
                 writing.result()
         # the last part: no data, only every group's zarr.json (values' groups too)
-        groups = _Part(plan.entries, {k: -1 for k in plan.entries}, plan.values)
+        groups = _Part(plan.entries, dict.fromkeys(plan.entries, -1), plan.values)
         _write_batch({}, groups, c.write_to, stats)
         stats.bytes_written = sum(e.nbytes for e in plan.entries.values())
         phases = ("plan", "stage", "write", "sync")  # spec 9.7's save_stats, for the one writer
@@ -366,13 +369,13 @@ def _write_batch(state: dict, part: _Part, loc: location.Location, total: engine
 
 
 def _batches(source: Source, tensors: list[SourceTensor], entries: dict[str, TensorEntry],
-             dtype: torch.dtype | None, memory_bytes: int, bar: Progress):
+             dtype: torch.dtype | None, memory_bytes: int, bar: Progress) -> Iterator[tuple[_Part, dict, int]]:
     """Yield (part, state, bytes held): whole tensors grouped up to
     ``memory_bytes``, or slabs of whole stored objects of a larger tensor."""
     part, held = _Part({}, {}, {}), 0
     state: dict[Path, object] = {}
 
-    def flush():
+    def flush() -> tuple[_Part, dict, int]:
         nonlocal part, state, held
         out = (part, unflatten(state), held)
         part, state, held = _Part({}, {}, {}), {}, 0

@@ -42,7 +42,8 @@ import io
 import math
 import os
 import pickle
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from typing import IO, TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -59,6 +60,10 @@ from .core import (
     slabs,
     unsupported_dtype,
 )
+
+if TYPE_CHECKING:
+    from _typeshed import WriteableBuffer
+    from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
 METADATA_NAME = ".metadata"
 _MD = "torch.distributed.checkpoint.metadata"
@@ -77,11 +82,11 @@ ALLOWED = {
 
 
 class _Unpickler(pickle.Unpickler):
-    def __init__(self, f, where: str) -> None:
+    def __init__(self, f: IO[bytes], where: str) -> None:
         super().__init__(f)
         self.where = where
 
-    def find_class(self, module: str, name: str):
+    def find_class(self, module: str, name: str) -> Any:
         if (module, name) in ALLOWED:
             return super().find_class(module, name)
         if module == "torch" and isinstance(getattr(torch, name, None), (torch.dtype, torch.layout, torch.memory_format)):
@@ -92,7 +97,7 @@ class _Unpickler(pickle.Unpickler):
         )
 
 
-def read_metadata(path: str):
+def read_metadata(path: str) -> Metadata:
     """DCP's ``Metadata`` of the directory ``path``, through the restricted unpickler."""
     where = os.path.join(path, METADATA_NAME)
     try:
@@ -151,7 +156,7 @@ class DCPSource(Source):
         self.values = _per_parameter_groups(self.values)
 
     # -- checks
-    def _check_info(self, info, sizes: dict[str, int]) -> None:
+    def _check_info(self, info: Any, sizes: dict[str, int]) -> None:  # info: untrusted, from the pickle
         where = os.path.join(self.path, METADATA_NAME)
         name = getattr(info, "relative_path", None)
         off, length = getattr(info, "offset", None), getattr(info, "length", None)
@@ -175,7 +180,7 @@ class DCPSource(Source):
                 f"{sizes[name]}-byte file (truncated?)"
             )
 
-    def _tensor(self, fqn: str, kp: tuple, m, where: str) -> SourceTensor:
+    def _tensor(self, fqn: str, kp: tuple, m: TensorStorageMetadata, where: str) -> SourceTensor:
         dtype = getattr(m.properties, "dtype", None)
         if not isinstance(dtype, torch.dtype):
             raise CorruptCheckpointError(f"{where}: tensor {fqn!r} has no dtype")
@@ -203,7 +208,7 @@ class DCPSource(Source):
         return SourceTensor(path, dtype, shape, (fqn, tuple(chunks)))
 
     # -- data
-    def _load(self, fqn: str, offsets, what: str = "tensor"):
+    def _load(self, fqn: str, offsets: tuple[int, ...] | None, what: str = "tensor") -> object:
         """``torch.load(weights_only=True)`` of one stored item, read in place
         from its byte range (no intermediate copy of the whole item)."""
         info = self._where[(fqn, offsets)]
@@ -228,7 +233,7 @@ class DCPSource(Source):
         self._fds = {}
         self._cache = {}
 
-    def _value(self, fqn: str):
+    def _value(self, fqn: str) -> object:
         return self._load(fqn, None, "value")
 
     def read(self, t: SourceTensor, start: int, stop: int) -> torch.Tensor:
@@ -253,19 +258,20 @@ class DCPSource(Source):
             dst[(slice(None),) + idx] = src
         return out
 
-    def _chunk(self, t: SourceTensor, chunk, final: bool) -> torch.Tensor:
+    def _chunk(self, t: SourceTensor, chunk: tuple[tuple[int, ...], tuple[int, ...]], final: bool) -> torch.Tensor:
         """One stored chunk; kept until the last slab that needs it (each chunk is loaded once)."""
         fqn = t.ref[0]
         key = (fqn, chunk[0])
         data = self._cache.pop(key, None)
         if data is None:
-            data = self._load(fqn, chunk[0])
-            if not isinstance(data, torch.Tensor) or tuple(data.shape) != chunk[1] or data.dtype != t.dtype:
-                got = f"{list(data.shape)} {data.dtype}" if isinstance(data, torch.Tensor) else type(data).__name__
+            loaded = self._load(fqn, chunk[0])
+            if not isinstance(loaded, torch.Tensor) or tuple(loaded.shape) != chunk[1] or loaded.dtype != t.dtype:
+                got = f"{list(loaded.shape)} {loaded.dtype}" if isinstance(loaded, torch.Tensor) else type(loaded).__name__
                 raise CorruptCheckpointError(
                     f"{self.path}: chunk at {list(chunk[0])} of {fqn!r} holds {got}, the metadata says "
                     f"{list(chunk[1])} {t.dtype}"
                 )
+            data = loaded
         if not final:
             self._cache[key] = data
         return data
@@ -310,11 +316,12 @@ class _Slice(io.RawIOBase):
         self.pos = max(0, base + offset)
         return self.pos
 
-    def readinto(self, b) -> int:
-        n = min(len(b), self.length - self.pos)
+    def readinto(self, b: WriteableBuffer) -> int:
+        view = memoryview(b)
+        n = min(len(view), self.length - self.pos)
         if n <= 0:
             return 0
-        got = os.preadv(self.fd, [memoryview(b)[:n]], self.start + self.pos)
+        got = os.preadv(self.fd, [view[:n]], self.start + self.pos)
         if got == 0:
             raise CorruptCheckpointError(f"{self.name_}: an item is cut short at byte {self.start + self.pos} (truncated?)")
         self.pos += got
@@ -369,7 +376,7 @@ def _per_parameter_groups(values: dict[Path, object]) -> dict[Path, object]:
     return out
 
 
-def _to_lists(node):
+def _to_lists(node: object) -> object:
     if not isinstance(node, dict):
         return node
     if node and all(isinstance(k, int) for k in node):
@@ -377,7 +384,7 @@ def _to_lists(node):
     return {str(k): _to_lists(v) for k, v in node.items()}
 
 
-def _plain(v):
+def _plain(v: object) -> object:
     if isinstance(v, tuple):
         return [_plain(x) for x in v]
     if isinstance(v, list):
@@ -392,7 +399,9 @@ def _plain(v):
 # ------------------------------------------------------------------- export
 
 
-def _jobs(source: Source, tensors: list[SourceTensor], dtype, slab_bytes: int):
+def _jobs(
+    source: Source, tensors: list[SourceTensor], dtype: torch.dtype | None, slab_bytes: int
+) -> Iterator[tuple[SourceTensor, int, int, torch.dtype]]:
     """Each tensor whole, or in slabs of rows of at most ``slab_bytes``
     (one DCP chunk each); an empty tensor is one empty chunk."""
     from .core import cast_dtype
@@ -435,7 +444,7 @@ def write(source: Source, tensors: list[SourceTensor], values: dict[Path, object
         bar = Progress(sum(t.ref.nbytes for t in tensors), "export", progress)
         try:
             with open(os.path.join(stage, name), "wb") as f:
-                def put(obj) -> tuple[int, int]:
+                def put(obj: object) -> tuple[int, int]:
                     buf = io.BytesIO()
                     torch.save(obj, buf)
                     at = f.tell()

@@ -24,6 +24,7 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Callable, Mapping
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
@@ -35,7 +36,13 @@ from ..engine.group import Group
 from ..engine.load import LoadStats
 from ..errors import CorruptCheckpointError, IncompatibleStateError
 from ..layout.boxes import Box
+from .core import SourceTensor
 from .safetensors import SafetensorsSource
+
+T = TypeVar("T")
+State = TypeVar("State")
+# one planned read: (safetensors name, stored tensor, target tensor, the target's box of the stored tensor)
+Read = tuple[str, SourceTensor, torch.Tensor, Box]
 
 
 def byte_ranges(shape: tuple[int, ...], box: Box, itemsize: int) -> tuple[np.ndarray, int]:
@@ -59,15 +66,15 @@ def byte_ranges(shape: tuple[int, ...], box: Box, itemsize: int) -> tuple[np.nda
 
 
 def load_safetensors(
-    state,
-    hf_dir,
+    state: State,
+    hf_dir: str | os.PathLike[str],
     *,
     rename: Callable[[str], str | None] | None = None,
     cast: bool = False,
-    process_group=None,
+    process_group: torch.distributed.ProcessGroup | None = None,
     strict: bool = True,
     stats: LoadStats | None = None,
-):
+) -> State:
     """Fill the tensors of ``state`` (a dict of tensors, DTensors,
     ShardedTensors and modules, or a ``torch.nn.Module``: the tensors of its
     ``state_dict()``, keyed ``name`` or ``key/name`` in a dict) from the
@@ -89,14 +96,15 @@ def load_safetensors(
     return state
 
 
-def _together(g: Group, fn, *args):
+def _together(g: Group, fn: Callable[..., T], *args: Any) -> T:
     """``fn(*args)`` on every rank; if it fails on any, every rank raises
     (the failing rank its own error, the others one of the same class naming
     that rank), so that no rank goes on alone. One all-gather."""
+    err: Exception | None = None
     try:
-        result, err = fn(*args), None
+        result = fn(*args)
     except Exception as e:  # noqa: BLE001 - shared with every rank below
-        result, err = None, e
+        err = e
     if not g.distributed:
         if err is not None:
             raise err
@@ -111,10 +119,10 @@ def _together(g: Group, fn, *args):
         if not (isinstance(cls, type) and issubclass(cls, errors.TensorckptError)):
             cls = errors.TensorckptError
         raise cls(f"(on rank {rank}) {failed[1]}")
-    return result
+    return result  # bound: a failure on this rank was raised above
 
 
-def _tensors_of(node):
+def _tensors_of(node: object) -> object:
     """The state with every ``torch.nn.Module`` replaced by its
     ``state_dict()`` (whose tensors share the module's memory)."""
     if isinstance(node, torch.nn.Module):
@@ -124,10 +132,13 @@ def _tensors_of(node):
     return node
 
 
-def _plan(state, hf_dir: str, rename, cast: bool, strict: bool):
+def _plan(
+    state: Mapping, hf_dir: str, rename: Callable[[str], str | None] | None, cast: bool, strict: bool
+) -> tuple[SafetensorsSource, list[Read]]:
     source = SafetensorsSource(hf_dir)
     by_name = {t.path[0]: t for t in source.tensors}
-    reads, missing = [], []
+    reads: list[Read] = []
+    missing: list[str] = []
     for key, leaf in flatten(state, check_values=False).items():
         if not leaf.is_tensor:
             continue
@@ -158,7 +169,7 @@ def _plan(state, hf_dir: str, rename, cast: bool, strict: bool):
     return source, reads
 
 
-def _read_all(source: SafetensorsSource, reads, stats: LoadStats) -> None:
+def _read_all(source: SafetensorsSource, reads: list[Read], stats: LoadStats) -> None:
     import time
 
     t0 = time.perf_counter()

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import os
 import pickle
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 import torch
 
@@ -32,7 +32,7 @@ from .core import Path, Progress, Source, SourceTensor, read_cast
 class CheckpointSource(Source):
     """A committed tensorckpt checkpoint."""
 
-    def __init__(self, path) -> None:
+    def __init__(self, path: str | os.PathLike[str]) -> None:
         self.ckpt = Checkpoint(path)
         self.description = self.ckpt.path
         idx = self.ckpt.index
@@ -74,7 +74,7 @@ class TorchSaveSource(Source):
         self._data = {}
 
 
-def load_weights_only(path: str):
+def load_weights_only(path: str) -> object:
     """``torch.load(path, weights_only=True)``, memory-mapped when possible;
     anything the restricted unpickler refuses is a :class:`UnsupportedValueError`."""
     if not os.path.isfile(path):
@@ -97,7 +97,7 @@ def load_weights_only(path: str):
         raise TensorckptError(f"{path}: not a readable torch.save file ({str(e).splitlines()[0] if str(e) else e})") from None
 
 
-def _walk(node, prefix: Path, src: TorchSaveSource, where: str) -> None:
+def _walk(node: Mapping | Sequence, prefix: Path, src: TorchSaveSource, where: str) -> None:
     items = node.items() if isinstance(node, Mapping) else enumerate(node)
     for name, value in items:
         if not isinstance(name, (str, int)) or isinstance(name, bool):

@@ -23,6 +23,8 @@ import json
 import math
 import os
 import re
+from collections.abc import Iterator
+from types import TracebackType
 
 import numpy as np
 import torch
@@ -35,6 +37,9 @@ from ..errors import (
 )
 from ..format import dtypes
 from .core import Progress, Source, SourceTensor, prefetch, slabs, unsupported_dtype
+
+# what one output file holds, in file order: (key, tensor, dtype written, bytes)
+Shard = list[tuple[str, SourceTensor, torch.dtype, int]]
 
 MAX_HEADER_BYTES = 100_000_000
 INDEX_NAME = "model.safetensors.index.json"
@@ -51,7 +56,7 @@ NAMES = {v: k for k, v in DTYPES.items()}
 KNOWN_UNSTORABLE = ("U16", "U32", "U64", "F8_E8M0", "F4", "F6_E2M3", "F6_E3M2", "I4", "U4")
 
 
-def parse_size(text) -> int:
+def parse_size(text: int | str) -> int:
     """``"5GB"`` -> 5 * 10**9, ``"500MiB"`` -> 500 * 2**20, an int as is (HF's convention)."""
     if isinstance(text, int) and not isinstance(text, bool):
         return text
@@ -76,7 +81,7 @@ class SafetensorsSource(Source):
         names: dict[str, str] = {}
         for f in files:
             header, start, _, meta = read_header(f)
-            for name, (dtype, shape, begin, end) in header.items():
+            for name, (dtype, shape, begin, _end) in header.items():
                 if name in names:
                     raise CorruptCheckpointError(f"{f}: tensor {name!r} is also in {names[name]}")
                 names[name] = f
@@ -206,7 +211,7 @@ def read_header(path: str) -> tuple[dict[str, tuple[torch.dtype, tuple[int, ...]
 # ------------------------------------------------------------------- export
 
 
-def write(source: Source, tensors: list[SourceTensor], dst: str, *, max_shard_size="5GB",
+def write(source: Source, tensors: list[SourceTensor], dst: str, *, max_shard_size: int | str = "5GB",
           dtype: torch.dtype | None = None, memory_bytes: int, progress: bool | None = None,
           metadata: dict[str, str] | None = None) -> list[str]:
     """Write ``tensors`` (selected from ``source``) as safetensors in the HF
@@ -219,7 +224,7 @@ def write(source: Source, tensors: list[SourceTensor], dst: str, *, max_shard_si
     from .core import cast_dtype
 
     limit = parse_size(max_shard_size)
-    plan: list[list[tuple[str, SourceTensor, torch.dtype, int]]] = [[]]
+    plan: list[Shard] = [[]]
     size = 0
     for t in tensors:
         d = cast_dtype(t, dtype)
@@ -269,7 +274,8 @@ def write(source: Source, tensors: list[SourceTensor], dst: str, *, max_shard_si
     return names + ([INDEX_NAME] if n > 1 else [])
 
 
-def _write_file(source: Source, path: str, shard, memory_bytes: int, bar: Progress, metadata) -> None:
+def _write_file(source: Source, path: str, shard: Shard, memory_bytes: int, bar: Progress,
+                metadata: dict[str, str] | None) -> None:
     header: dict = {"__metadata__": {"format": "pt", **(metadata or {})}}
     at = 0
     for key, t, d, nbytes in shard:
@@ -279,7 +285,7 @@ def _write_file(source: Source, path: str, shard, memory_bytes: int, bar: Progre
     raw += b" " * (-(8 + len(raw)) % 8)  # data starts 8-byte aligned, as safetensors writes it
     with open(path, "wb") as f:
         f.write(len(raw).to_bytes(8, "little") + raw)
-        for (t, a, b, d), data in prefetch(source, _jobs(source, shard, memory_bytes // 2)):
+        for (t, a, b, _d), data in prefetch(source, _jobs(source, shard, memory_bytes // 2)):
             if not data.is_contiguous():
                 data = data.contiguous()
             f.write(memoryview(_bytes_view(data)))  # type: ignore[arg-type]
@@ -288,7 +294,7 @@ def _write_file(source: Source, path: str, shard, memory_bytes: int, bar: Progre
         os.fsync(f.fileno())
 
 
-def _jobs(source: Source, shard, slab_bytes: int):
+def _jobs(source: Source, shard: Shard, slab_bytes: int) -> Iterator[tuple[SourceTensor, int, int, torch.dtype]]:
     """The reads making up a shard's data, in file order: whole small
     tensors, slabs of rows of at most ``slab_bytes`` of larger ones."""
     for _, t, d, nbytes in shard:
@@ -323,7 +329,9 @@ class staging_dir:
         os.makedirs(self.stage)
         return self.stage
 
-    def __exit__(self, kind, exc, tb) -> None:
+    def __exit__(
+        self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
         import shutil
 
         if kind is not None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import itertools
 import math
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -28,7 +29,7 @@ class Box:
     shape: tuple[int, ...]
 
     @classmethod
-    def full(cls, shape) -> "Box":
+    def full(cls, shape: Sequence[int]) -> Box:
         return cls((0,) * len(shape), tuple(shape))
 
     @cached_property
@@ -42,14 +43,14 @@ class Box:
     def slices(self) -> tuple[slice, ...]:
         return tuple(slice(o, o + s) for o, s in zip(self.offset, self.shape))
 
-    def intersect(self, other: "Box") -> "Box | None":
+    def intersect(self, other: Box) -> Box | None:
         lo = tuple(max(a, b) for a, b in zip(self.offset, other.offset))
         hi = tuple(min(a, b) for a, b in zip(self.end, other.end))
         if any(h <= l for l, h in zip(lo, hi)):
             return None
         return Box(lo, tuple(h - l for l, h in zip(lo, hi)))
 
-    def relative_to(self, outer: "Box") -> "Box":
+    def relative_to(self, outer: Box) -> Box:
         return Box(tuple(a - b for a, b in zip(self.offset, outer.offset)), self.shape)
 
     def to_json(self) -> list:
@@ -92,7 +93,7 @@ def chunk_ranges(box: Box, chunk: tuple[int, ...], shape: tuple[int, ...]) -> li
     ]
 
 
-def chunks_in(box: Box, chunk: tuple[int, ...], shape: tuple[int, ...]):
+def chunks_in(box: Box, chunk: tuple[int, ...], shape: tuple[int, ...]) -> Iterator[tuple[int, ...]]:
     """Grid indices of the chunks a box overlaps (clipped to the array)."""
     return itertools.product(*chunk_ranges(box, chunk, shape))
 

@@ -23,6 +23,7 @@ import zlib
 from collections import Counter
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import overload
 
 import numpy as np
 
@@ -50,10 +51,10 @@ class LocalItems(Sequence[LocalItem]):
     exactly when they hold the same boxes of the same tensors in the same order.
     """
 
-    __slots__ = ("count", "table", "boxes", "_decoded")
+    __slots__ = ("_count", "_decoded", "boxes", "table")
 
     def __init__(self, count: int, table: bytes, boxes: bytes) -> None:
-        self.count = count  # number of tensors
+        self._count = count  # number of tensors (len(); not `count`, which is Sequence.count)
         self.table = table  # zlib-compressed JSON: [[key, dtype, shape], ...]
         self.boxes = boxes  # zlib-compressed int64 (little-endian): offset + shape per tensor
         self._decoded: tuple[LocalItem, ...] | None = None  # on first use; never sent
@@ -85,9 +86,13 @@ class LocalItems(Sequence[LocalItem]):
         return cls(len(specs), zlib.compress(table.encode()), zlib.compress(boxes.tobytes()))
 
     def __len__(self) -> int:
-        return self.count
+        return self._count
 
-    def __getitem__(self, i):
+    @overload
+    def __getitem__(self, i: int) -> LocalItem: ...
+    @overload
+    def __getitem__(self, i: slice) -> tuple[LocalItem, ...]: ...
+    def __getitem__(self, i: int | slice) -> LocalItem | tuple[LocalItem, ...]:
         return self._items()[i]
 
     def __iter__(self) -> Iterator[LocalItem]:
@@ -104,19 +109,19 @@ class LocalItems(Sequence[LocalItem]):
             self._decoded = tuple(out)
         return self._decoded
 
-    def __eq__(self, other) -> bool:
+    def __eq__(self, other: object) -> bool:
         if not isinstance(other, LocalItems):
             return NotImplemented
-        return (self.count, self.table, self.boxes) == (other.count, other.table, other.boxes)
+        return (self._count, self.table, self.boxes) == (other._count, other.table, other.boxes)
 
     def __hash__(self) -> int:
-        return hash((self.count, self.table, self.boxes))
+        return hash((self._count, self.table, self.boxes))
 
-    def __reduce__(self):
-        return (LocalItems, (self.count, self.table, self.boxes))
+    def __reduce__(self) -> tuple[type[LocalItems], tuple[int, bytes, bytes]]:
+        return (LocalItems, (self._count, self.table, self.boxes))
 
     def __repr__(self) -> str:
-        return f"LocalItems({self.count} tensors, {len(self.table) + len(self.boxes)} bytes)"
+        return f"LocalItems({self._count} tensors, {len(self.table) + len(self.boxes)} bytes)"
 
 
 def decode_table(table: bytes) -> tuple[Spec, ...]:

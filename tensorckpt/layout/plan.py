@@ -117,7 +117,7 @@ class SavePlan:
         row_bytes = (len(self.ranks) + 7) // 8
         byte, mask = i // 8, 0x80 >> (i % 8)
         row = {k: t for t, k in enumerate(sorted(self.entries))}
-        mine = []
+        mine: list[tuple[str, Box]] = []
         for it in self.held[i]:
             if not self.written[row[it.key] * row_bytes + byte] & mask:
                 continue
@@ -286,14 +286,14 @@ def _layouts(plans: list[LocalPlan]) -> tuple[tuple[int, ...], tuple[LocalItems,
     for slot, i in enumerate(position):
         by_table.setdefault(plans[i].items.table, []).append(slot)
     shared = {table: table for table in by_table}  # one bytes object per distinct table
-    held = tuple(LocalItems(p.items.count, shared[p.items.table], p.items.boxes) for p in (plans[i] for i in position))
+    held = tuple(LocalItems(len(p.items), shared[p.items.table], p.items.boxes) for p in (plans[i] for i in position))
     layouts = []
     for table, slots in by_table.items():
         specs = decode_table(table)
         columns = np.cumsum([0] + [2 * len(s) for _, _, s in specs]).tolist()
         raw = b"".join(zlib.decompress(held[s].boxes) for s in slots)
         boxes = np.frombuffer(raw, dtype="<i8")
-        if any(held[s].count != len(specs) for s in slots) or boxes.size != columns[-1] * len(slots):
+        if any(len(held[s]) != len(specs) for s in slots) or boxes.size != columns[-1] * len(slots):
             raise ValueError("local plans: a table of tensors does not match its boxes")
         first = min(slots, key=lambda s: position[s])
         boxes = boxes.reshape(len(slots), columns[-1])

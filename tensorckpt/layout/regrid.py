@@ -117,7 +117,9 @@ def assign(shape: tuple[int, ...], chunk: tuple[int, ...], starts: np.ndarray, s
     )
 
 
-def _pairs(shape, chunk, starts: np.ndarray, sizes: np.ndarray):
+def _pairs(
+    shape: tuple[int, ...], chunk: tuple[int, ...], starts: np.ndarray, sizes: np.ndarray
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """Every (box, chunk) pair sharing elements: box indices, chunk grid
     indices (pairs x ndim), and the shared region's start and size. Each box
     overlaps a block of chunks; the pairs of box ``b`` enumerate its block
