@@ -22,6 +22,10 @@ the number of tensors. A save whose tensor layout (keys, shapes, dtypes,
 boxes) is the same on every rank as in the previous successful save over the
 same group reuses that save's plan: ranks send only their values, and rank 0
 skips planning.
+
+What travels is typed: the keyword options become one :class:`SaveOptions`,
+and collectives 1 to 3 carry :class:`LocalPlanMessage`, :class:`Decision` and
+:class:`RankResult` (whose list becomes the root's ``save_stats``).
 """
 
 from __future__ import annotations

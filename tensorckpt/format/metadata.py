@@ -7,6 +7,14 @@ each format version are modules of :mod:`.versions`, chosen by sniffing
 ``format_version`` (see :func:`parse_root`), never by version checks
 scattered through the code. ``FORMAT_VERSION`` is the version writers write:
 the newest reader's (``versions.NEWEST``).
+
+The records (the shape of zarr-python's ``ArrayV3Metadata``): a
+:class:`TensorEntry` per tensor (its ``dtype`` the JSON's name, the dtype
+record resolved once as ``dtype_info``), :class:`CheckpointMetadata` (what a
+checkpoint says about itself; ``Checkpoint.metadata``), :class:`RootMetadata`
+(that plus the index) and :class:`SaveStatsRecord` (spec 9.7). Each has an
+explicit ``to_json``; the TypedDicts (``TensorEntryJSON``, ``RootJSON``,
+``SaveStatsJSON``) document the JSON it gives.
 """
 
 from __future__ import annotations
@@ -87,6 +95,10 @@ class TensorEntry:
         """The dtype record of ``dtype`` (itemsize, Zarr name, numpy dtype),
         looked up once per entry."""
         return _dtypes.BY_TORCH[self.dtype]
+
+    def __getstate__(self) -> dict[str, object]:
+        """Pickled (sent between ranks) without the cached ``dtype_info``."""
+        return {f.name: getattr(self, f.name) for f in fields(self)}
 
     @property
     def torch_dtype(self) -> torch.dtype:
