@@ -43,6 +43,7 @@ from .format.keys import flat_key, split_flat_key
 from .format.metadata import (
     MAX_NODE_JSON_BYTES,
     MAX_ROOT_JSON_BYTES,
+    CheckpointMetadata,
     RootMetadata,
     TensorEntry,
     loads,
@@ -56,16 +57,6 @@ from .storage.arrays import check_array_metadata
 # the array stores at least that many bytes (version 1 does not compress), so
 # a forged index cannot make a reader allocate out of proportion to the data.
 TRUSTED_READ_BYTES = 64 << 20
-
-
-@dataclass(frozen=True)
-class CheckpointMetadata:
-    format_version: str
-    library_version: str
-    created: str
-    world_size: int
-    user_metadata: dict
-    save_stats: dict | None = None  # per-rank phase times of the save (spec 9.7); None before format 1.1
 
 
 @dataclass(frozen=True)
@@ -241,8 +232,7 @@ class Checkpoint:
 
     @property
     def metadata(self) -> CheckpointMetadata:
-        m = self._meta
-        return CheckpointMetadata(m.format_version, m.library_version, m.created, m.world_size, m.user_metadata, m.save_stats)
+        return self._meta.header()
 
     @property
     def index(self) -> RootMetadata:
@@ -262,7 +252,7 @@ class Checkpoint:
     def info(self, key) -> TensorInfo:
         k = self._key(key)
         e = self._entry(k)
-        return TensorInfo(k, e.shape, dtypes.torch_dtype(dtypes.BY_TORCH[e.dtype]), e.nbytes, e.chunk_shape, e.inner_chunk_shape)
+        return TensorInfo(k, e.shape, e.torch_dtype, e.nbytes, e.chunk_shape, e.inner_chunk_shape)
 
     # -- data
     def read(self, key, index=None):
@@ -282,7 +272,7 @@ class Checkpoint:
         norm = _normalize_index(index, e.shape, f"{self.path}: tensor {k!r}") if index is not None else ()
         rest = e.shape[len(norm):]  # the region read, in the array's coordinates (an int keeps its dimension)
         shape = tuple(len(range(ix.start, ix.stop, ix.step)) for ix in norm if isinstance(ix, slice)) + rest
-        d = dtypes.BY_TORCH[e.dtype]
+        d = e.dtype_info
         self._check_backed(k, math.prod(shape) * d.itemsize)
         lo = tuple(ix if isinstance(ix, int) else ix.start for ix in norm) + (0,) * len(rest)
         hi = tuple(ix + 1 if isinstance(ix, int) else ix.stop for ix in norm) + rest

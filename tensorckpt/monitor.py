@@ -1,10 +1,13 @@
 """Per-phase save statistics across ranks (spec 9.7), summarized so that a
-straggler rank or a slow storage path shows at a glance."""
+straggler rank or a slow storage path shows at a glance. Used by
+``tensorckpt inspect`` (cli.py) on a checkpoint's ``metadata.save_stats``."""
 
 from __future__ import annotations
 
 import statistics
 from dataclasses import dataclass
+
+from .format.metadata import SaveStatsRecord
 
 
 @dataclass(frozen=True)
@@ -15,27 +18,27 @@ class PhaseSummary:
     max: float
     slowest_rank: int
 
-    def to_json(self) -> dict:
+    def to_json(self) -> dict[str, float | int]:
         return {"min": self.min, "median": self.median, "max": self.max, "slowest_rank": self.slowest_rank}
 
 
-def summarize(save_stats: dict | None) -> list[PhaseSummary]:
+def summarize(save_stats: SaveStatsRecord | None) -> list[PhaseSummary]:
     """min / median / max seconds of each recorded phase across ranks, and
     the slowest rank."""
     out = []
-    for phase, times in (save_stats or {}).get("seconds", {}).items():
+    for phase, times in ((save_stats.seconds or {}) if save_stats is not None else {}).items():
         if times:
             slowest = max(range(len(times)), key=lambda r: (times[r], -r))
             out.append(PhaseSummary(phase, min(times), statistics.median(times), max(times), slowest))
     return out
 
 
-def render(save_stats: dict | None) -> list[str]:
+def render(save_stats: SaveStatsRecord | None) -> list[str]:
     """Lines for ``tensorckpt inspect``: one per phase, then bytes written."""
     rows = summarize(save_stats)
-    if not rows:
+    if save_stats is None or not rows:
         return []
-    written = save_stats.get("bytes_written", [])
+    written = save_stats.bytes_written or ()
     lines = [f"save phases over {len(written) or '?'} rank(s), seconds:",
              f"  {'phase':<8}{'min':>10}{'median':>10}{'max':>10}  slowest rank"]
     for r in rows:

@@ -38,7 +38,6 @@ from .errors import (
     IncompleteCheckpointError,
     TensorckptError,
 )
-from .format import dtypes
 from .format.metadata import loads
 from .layout.boxes import Box
 from .storage import arrays, direct, location
@@ -162,7 +161,7 @@ def _check_tensor(ckpt: Checkpoint, key: str, report: VerifyReport, tick: Callab
     stored = ckpt.chunk_objects(key)
     grid = [-(-s // c) for s, c in zip(e.shape, e.chunk_shape)]
     _report_missing(key, where, grid, stored, report)
-    d = dtypes.BY_TORCH[e.dtype]
+    d = e.dtype_info
     failed: set[tuple[int, ...]] = set()
     pending: collections.deque[_Job] = collections.deque()
 

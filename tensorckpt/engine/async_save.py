@@ -35,7 +35,7 @@ from ..errors import TensorckptError
 from ..storage import location
 from .group import Group
 from .replicas import is_plain
-from .save import SaveStats, check_options, check_tensor, run
+from .save import SaveOptions, SaveStats, check_tensor, run
 
 ON_BUSY = ("wait", "raise")
 
@@ -135,7 +135,7 @@ def async_save(
     torch cannot create one for a subgroup without every process taking part.
     """
     t_call = time.perf_counter()
-    check_options(options)
+    opts = SaveOptions.of(options)
     if on_busy not in ON_BUSY:
         raise ValueError(f"async_save(on_busy=...) must be one of {ON_BUSY}, got {on_busy!r}")
     loc = location.parse(path)
@@ -172,7 +172,7 @@ def async_save(
     def work() -> None:
         error = None
         try:
-            run(staged or {}, loc, bg, overwrite, options, stats, failed)
+            run(staged or {}, loc, bg, overwrite, opts, stats, failed)
         except BaseException as e:  # noqa: BLE001 - surfaced on the handle
             error = e
         stats.durable_seconds = time.perf_counter() - t_call

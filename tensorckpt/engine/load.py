@@ -20,6 +20,7 @@ import time
 import warnings
 from collections.abc import MutableMapping
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import numpy as np
 import tensorstore as ts
@@ -37,6 +38,22 @@ from .group import Group
 
 IN_FLIGHT_BYTES = 128 << 20  # reads issued ahead of the oldest unfinished one
 SLAB_BYTES = 32 << 20  # the largest buffer one read fills (targets it cannot fill directly, casts)
+
+
+class RootMessage(NamedTuple):
+    """Rank 0 -> every rank: the root ``zarr.json`` bytes of the version it
+    resolved, and that version's directory id (spec 10.7)."""
+
+    raw: bytes
+    version: object
+
+
+class KeyReport(NamedTuple):
+    """Every rank -> every rank: the keys its target names that the
+    checkpoint lacks, and the stored keys its target does not name."""
+
+    missing: list[str]
+    unexpected: list[str]
 
 
 @dataclass
@@ -108,9 +125,9 @@ def load(
         raise TensorckptError(f"{loc}: memory:// stores are per process; a distributed load needs a shared file path")
     held: dict = {}
 
-    def root(_) -> tuple[bytes, object]:
+    def root(_: list) -> RootMessage:
         held["pin"], raw = open_pinned(loc)  # rank 0 resolves the version every rank reads (spec 10.7)
-        return raw, held["pin"].dir_id
+        return RootMessage(raw, held["pin"].dir_id)
 
     raw, version = g.collective(None, root, what=what)
     ckpt = Checkpoint(loc, _root=parse_root_bytes(loc, raw), _pin=held.get("pin"))  # the same bytes everywhere
@@ -127,18 +144,18 @@ def _load(state: MutableMapping, ckpt: Checkpoint, g: Group, version, strict: bo
     ctx = registry.Context(state, g.rank, g.size, strict=strict, partial=partial)
     prepared: dict = {}
 
-    def prepare() -> tuple[list[str], list[str]]:
+    def prepare() -> KeyReport:
         ckpt.same_version(version)  # every rank reads the directory rank 0 resolved, or all fail
         plain, finish = registry.for_load(state, index, ctx)  # objects (modules, ...) load through plain targets
         targets = flatten(plain, False)
         stored = set(index.tensors) | set(index.values)
         prepared.update(plain=plain, finish=finish, targets=targets, reads=_targets(ckpt, targets, cast))
-        return sorted(set(targets) - stored), sorted(stored - set(targets))
+        return KeyReport(sorted(set(targets) - stored), sorted(stored - set(targets)))
 
-    everyone = g.collective(prepare, what=what)
+    everyone: list[KeyReport] = g.collective(prepare, what=what)
     # a key is unexpected only if no rank wants it (pipeline stages hold disjoint keys)
-    missing = sorted(set().union(*(set(m) for m, _ in everyone)))
-    unexpected = [] if partial else sorted(set.intersection(*(set(u) for _, u in everyone)))
+    missing = sorted(set().union(*(set(r.missing) for r in everyone)))
+    unexpected = [] if partial else sorted(set.intersection(*(set(r.unexpected) for r in everyone)))
     if missing or unexpected:
         msg = f"{ckpt.path}: state and checkpoint differ: " + "; ".join(
             f"{name}: {_list(keys)}" for name, keys in (("missing in checkpoint", missing), ("not in state", unexpected)) if keys
@@ -194,8 +211,7 @@ def _targets(ckpt: Checkpoint, targets: dict, cast: bool) -> dict[str, tuple[tor
             )
         if name != e.dtype:
             dtypes.for_torch(t.dtype, key)
-            stored = dtypes.torch_dtype(dtypes.BY_TORCH[e.dtype])
-            if not torch.can_cast(stored, t.dtype):
+            if not torch.can_cast(e.torch_dtype, t.dtype):
                 raise IncompatibleStateError(
                     f"{ckpt.path}: tensor {key!r} is stored as {e.dtype}; cast=True converts within a kind or "
                     f"to a wider one, not {e.dtype} to {name}: load it into a {e.dtype} tensor and convert it yourself"
@@ -257,7 +273,7 @@ def _read_into(ckpt: Checkpoint, targets: dict[str, tuple[torch.Tensor, Box]], s
     try:
         for key, (t, box) in targets.items():
             e = ckpt.index.tensors[key]
-            stored = dtypes.BY_TORCH[e.dtype]
+            stored = e.dtype_info
             itemsize = stored.itemsize
             need, got = box.numel * itemsize, bytes_fetched(e.shape, e.inner_chunk_shape, box, itemsize)
             stats.bytes_needed += need

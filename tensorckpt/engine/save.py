@@ -22,6 +22,10 @@ the number of tensors. A save whose tensor layout (keys, shapes, dtypes,
 boxes) is the same on every rank as in the previous successful save over the
 same group reuses that save's plan: ranks send only their values, and rank 0
 skips planning.
+
+What travels is typed: the keyword options become one :class:`SaveOptions`,
+and collectives 1 to 3 carry :class:`LocalPlanMessage`, :class:`Decision` and
+:class:`RankResult` (whose list becomes the root's ``save_stats``).
 """
 
 from __future__ import annotations
@@ -30,8 +34,8 @@ import datetime
 import os
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass, field, replace
-from typing import Any
+from dataclasses import dataclass, field, fields, replace
+from typing import Any, NamedTuple
 
 import torch
 
@@ -41,7 +45,7 @@ from ..adapters.sharded import local_part, saved_part
 from ..adapters.state import flatten
 from ..errors import TensorckptError, UnsupportedValueError
 from ..format import dtypes
-from ..format.metadata import RootMetadata, check_value, dumps, root_group_json
+from ..format.metadata import RootMetadata, SaveStatsRecord, check_value, dumps, root_group_json
 from ..layout import grid
 from ..layout.boxes import Box, chunk_box, read_plan
 from ..layout.plan import LocalItem, LocalPlan, SavePlan, build_save_plan, merge_values, plan_bytes
@@ -50,7 +54,6 @@ from .group import Group, _attempt
 from .replicas import check_not_flat, check_replicas, digests_of
 
 _GROUP_JSON = dumps({"zarr_format": 3, "node_type": "group", "attributes": {}})
-OPTIONS = ("metadata", "shard_bytes", "inner_chunk_bytes")
 
 # Plan cache, per (process group, options): every rank keeps the layout it last
 # saved successfully; rank 0 also keeps everyone's local plans and the plan.
@@ -60,6 +63,70 @@ _PENDING: dict[tuple, list[LocalPlan]] = {}  # rank 0: the local plans of the sa
 
 
 PHASES = ("plan", "stage", "write", "sync", "commit")
+
+
+@dataclass(frozen=True)
+class SaveOptions:
+    """The keyword options of :func:`save` (and ``async_save``,
+    ``CheckpointManager.save``), checked once by :meth:`of` and passed on as
+    this object: ``metadata`` (JSON-able dict kept in the checkpoint's
+    metadata), ``shard_bytes`` (largest stored object), ``inner_chunk_bytes``
+    (unit of partial reads); None: the default (:mod:`tensorckpt.layout.grid`)."""
+
+    metadata: dict | None = None
+    shard_bytes: int | None = None
+    inner_chunk_bytes: int | None = None
+
+    @classmethod
+    def of(cls, options: Mapping[str, Any]) -> SaveOptions:
+        """From ``save(**options)``: an unknown name is a TypeError listing
+        the known ones; a size that is not a positive int a ValueError."""
+        known = [f.name for f in fields(cls)]
+        unknown = sorted(set(options) - set(known))
+        if unknown:
+            raise TypeError(f"save() got unknown options {unknown}; known: {known}")
+        for name in ("shard_bytes", "inner_chunk_bytes"):
+            v = options.get(name)
+            if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
+                raise ValueError(f"save({name}=...) must be a positive int, got {v!r}")
+        return cls(**options)
+
+
+# Messages between ranks (what each collective step gathers or broadcasts).
+
+
+class LocalPlanMessage(NamedTuple):
+    """Every rank -> rank 0 (collective 1): its local plan (no items on a plan
+    cache hit), whether its layout is the one it saved last, and the digests
+    of its plain tensors."""
+
+    plan: LocalPlan
+    same_layout: bool
+    digests: dict
+
+
+class Decision(NamedTuple):
+    """Rank 0 -> every rank (collective 2): the global plan, where to write,
+    the root metadata to commit, and whether the plan came from the cache."""
+
+    plan: SavePlan
+    begun: commit.Commit  # what commit.begin decided: where to write
+    meta: RootMetadata
+    cache_hit: bool
+
+
+class RankResult(NamedTuple):
+    """Every rank -> rank 0 after writing (collective 3): its phase times
+    (seconds, rounded to microseconds) and bytes written, for the root's
+    ``save_stats``."""
+
+    seconds: dict[str, float]
+    bytes_written: int
+
+
+def stats_record(results: list[RankResult]) -> SaveStatsRecord:
+    """Every rank's phase times and bytes, as stored in the root metadata."""
+    return SaveStatsRecord.of_ranks([r.seconds for r in results], [r.bytes_written for r in results], PHASES[:4])
 
 
 @dataclass
@@ -92,6 +159,10 @@ class SaveStats:
         self.seconds[name] = self.seconds.get(name, 0.0) + now - start
         return now
 
+    def result(self) -> RankResult:
+        """What this rank reports for the root's ``save_stats``."""
+        return RankResult({p: round(self.seconds.get(p, 0.0), 6) for p in PHASES[:4]}, self.bytes_written)
+
 
 def save(
     state: Mapping, path, *, process_group=None, overwrite: bool = False, stats: SaveStats | None = None, **options
@@ -114,7 +185,7 @@ def save(
     ``inner_chunk_bytes`` (unit of partial reads, default 256 KiB). Pass a
     :class:`SaveStats` as ``stats`` to learn what this rank did.
     """
-    check_options(options)
+    opts = SaveOptions.of(options)
     g = Group(process_group)
     loc = location.parse(path)
     failed = None
@@ -124,27 +195,27 @@ def save(
         if not g.distributed:
             raise
         failed = e
-    run(state, loc, g, overwrite, options, stats if stats is not None else SaveStats(), failed)
+    run(state, loc, g, overwrite, opts, stats if stats is not None else SaveStats(), failed)
 
 
-def run(state: Mapping, loc: location.Location, g: Group, overwrite: bool, options: Mapping, stats: SaveStats,
+def run(state: Mapping, loc: location.Location, g: Group, overwrite: bool, options: SaveOptions, stats: SaveStats,
         failed: BaseException | None = None) -> None:
     """The save protocol (module docstring) over ``g``. ``failed``: this rank
     already failed (an async save's staging); it still takes part, so every
     rank raises the error instead of waiting for it. Any rank's failure is
     raised on every rank, naming every failing rank (:meth:`Group.collective`)."""
     t0 = time.perf_counter()
-    cache_key = (id(g.pg), g.size, options.get("shard_bytes"), options.get("inner_chunk_bytes"))
+    cache_key = (id(g.pg), g.size, options.shard_bytes, options.inner_chunk_bytes)
     layout: Any = None  # this rank's items, kept for the plan cache
 
-    def local_plan():
+    def local_plan() -> LocalPlanMessage:
         nonlocal layout
         if failed is not None:
             raise failed
-        local, digests = _local_plan(state, g, loc, options)
+        local, digests = _local_plan(state, g, loc)
         layout = local.items
         same = _LAST_LAYOUT.get(cache_key) == layout
-        return replace(local, items=()) if same else local, same, digests  # a cache hit sends only its values
+        return LocalPlanMessage(replace(local, items=()) if same else local, same, digests)  # a hit sends only values
 
     plan, c, meta, hit = g.collective(
         local_plan, lambda gathered: _decide(gathered, loc, overwrite, options, g.size, cache_key),
@@ -179,10 +250,10 @@ def run(state: Mapping, loc: location.Location, g: Group, overwrite: bool, optio
                 commit.abort(c)
             aborted = True
             raise
-        return {p: round(stats.seconds.get(p, 0.0), 6) for p in PHASES[:4]}, stats.bytes_written
+        return stats.result()
 
-    def finish(results: list) -> None:
-        commit.finish(c, root_group_json(replace(meta, save_stats=_stats_doc(results))))
+    def finish(results: list[RankResult]) -> None:
+        commit.finish(c, root_group_json(replace(meta, save_stats=stats_record(results))))
 
     t = time.perf_counter()
     try:
@@ -194,14 +265,6 @@ def run(state: Mapping, loc: location.Location, g: Group, overwrite: bool, optio
         _PLAN_CACHE[cache_key] = (_PENDING.pop(cache_key), plan)
 
 
-def _stats_doc(results: list) -> dict:
-    """Every rank's phase times and bytes, as stored in the root metadata."""
-    return {
-        "seconds": {p: [r[0][p] for r in results] for p in PHASES[:4]},
-        "bytes_written": [r[1] for r in results],
-    }
-
-
 def _forget(cache_key) -> None:
     _LAST_LAYOUT.pop(cache_key, None)
     _PLAN_CACHE.pop(cache_key, None)
@@ -211,7 +274,7 @@ def _forget(cache_key) -> None:
 # ----------------------------------------------------------------- steps
 
 
-def _local_plan(state: Mapping, g: Group, loc: location.Location, options: Mapping) -> tuple[LocalPlan, dict]:
+def _local_plan(state: Mapping, g: Group, loc: location.Location) -> tuple[LocalPlan, dict]:
     """This rank's local plan, and the digests of its plain (replicated)
     tensors, which rank 0 compares across ranks (none in a single process)."""
     if g.distributed and not loc.is_local:
@@ -229,31 +292,32 @@ def _local_plan(state: Mapping, g: Group, loc: location.Location, options: Mappi
     return LocalPlan(g.rank, tuple(items), values), digests_of(leaves, g.rank) if g.distributed else {}
 
 
-def _decide(gathered: list, loc: location.Location, overwrite: bool, options: Mapping, world: int, cache_key):
+def _decide(gathered: list[LocalPlanMessage], loc: location.Location, overwrite: bool, options: SaveOptions,
+            world: int, cache_key: tuple) -> Decision:
     """Rank 0: the global plan (cached or new), where to write, and the root
     metadata. Plain tensors held by several ranks must be equal (their digests),
     and so must values: both are checked before anything is written."""
-    check_replicas([d for _, _, d in gathered])
+    check_replicas([m.digests for m in gathered])
     cached = _PLAN_CACHE.get(cache_key)
-    hit = cached is not None and all(same for _, same, _ in gathered)
+    hit = cached is not None and all(m.same_layout for m in gathered)
     if hit:
-        plans = [replace(old, values=new.values) for old, (new, _, _) in zip(cached[0], gathered)]
+        plans = [replace(old, values=m.plan.values) for old, m in zip(cached[0], gathered)]
         plan = replace(cached[1], values=merge_values(plans))
     else:
         if cached is not None:  # ranks whose layout did not change sent no items: take them from the cache
-            plans = [cached[0][r] if same and not new.items else new for r, (new, same, _) in enumerate(gathered)]
-            plans = [replace(p, values=new.values) for p, (new, _, _) in zip(plans, gathered)]
+            plans = [cached[0][r] if m.same_layout and not m.plan.items else m.plan for r, m in enumerate(gathered)]
+            plans = [replace(p, values=m.plan.values) for p, m in zip(plans, gathered)]
         else:
-            if any(same for _, same, _ in gathered):
+            if any(m.same_layout for m in gathered):
                 raise TensorckptError("plan cache out of step across ranks; call save() again")
-            plans = [new for new, _, _ in gathered]
+            plans = [m.plan for m in gathered]
         plan = build_save_plan(
             plans,
-            options.get("shard_bytes") or grid.DEFAULT_SHARD_BYTES,
-            options.get("inner_chunk_bytes") or grid.DEFAULT_INNER_BYTES,
+            options.shard_bytes or grid.DEFAULT_SHARD_BYTES,
+            options.inner_chunk_bytes or grid.DEFAULT_INNER_BYTES,
         )
     _PENDING[cache_key] = [replace(p, values={}) for p in plans]  # cached once the save succeeds
-    user = check_value(options.get("metadata") or {}, "metadata")
+    user = check_value(options.metadata or {}, "metadata")
     if not isinstance(user, dict):
         raise UnsupportedValueError("save(metadata=...) must be a dict")
     meta = RootMetadata(
@@ -265,7 +329,7 @@ def _decide(gathered: list, loc: location.Location, overwrite: bool, options: Ma
         user_metadata=user,
     )
     c = commit.begin(loc, overwrite, commit.new_token())
-    return plan, c, meta, hit
+    return Decision(plan, c, meta, hit)
 
 
 # -------------------------------------------------------------- exchange
@@ -301,7 +365,7 @@ def _exchange(state: Mapping, plan: SavePlan, g: Group) -> tuple[dict, BaseExcep
     at = 0
     for p in recvs:
         n = _nbytes(plan, p)
-        dtype = dtypes.torch_dtype(dtypes.BY_TORCH[plan.entries[p.key].dtype])
+        dtype = plan.entries[p.key].torch_dtype
         part = got[at : at + n].clone().view(dtype).reshape(p.box.shape)  # clone: aligned for the view
         received.setdefault(p.key, []).append((p.box, part))
         at += n
@@ -309,7 +373,7 @@ def _exchange(state: Mapping, plan: SavePlan, g: Group) -> tuple[dict, BaseExcep
 
 
 def _nbytes(plan: SavePlan, p) -> int:
-    return p.box.numel * dtypes.BY_TORCH[plan.entries[p.key].dtype].itemsize
+    return p.box.numel * plan.entries[p.key].itemsize
 
 
 def _pack(state: Mapping, sends: list) -> torch.Tensor:
@@ -445,16 +509,3 @@ def _host(t: torch.Tensor) -> torch.Tensor:
 def check_tensor(key: str, t: torch.Tensor) -> None:
     if t.layout != torch.strided or t.is_meta:
         raise UnsupportedValueError(f"{key!r}: only dense tensors with data can be saved (got {t.layout}, {t.device})")
-
-
-def check_options(options: Mapping) -> None:
-    unknown = sorted(set(options) - set(OPTIONS))
-    if unknown:
-        raise TypeError(f"save() got unknown options {unknown}; known: {list(OPTIONS)}")
-    for name in ("shard_bytes", "inner_chunk_bytes"):
-        v = options.get(name)
-        if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
-            raise ValueError(f"save({name}=...) must be a positive int, got {v!r}")
-
-
-

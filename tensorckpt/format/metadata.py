@@ -7,6 +7,14 @@ each format version are modules of :mod:`.versions`, chosen by sniffing
 ``format_version`` (see :func:`parse_root`), never by version checks
 scattered through the code. ``FORMAT_VERSION`` is the version writers write:
 the newest reader's (``versions.NEWEST``).
+
+The records (the shape of zarr-python's ``ArrayV3Metadata``): a
+:class:`TensorEntry` per tensor (its ``dtype`` the JSON's name, the dtype
+record resolved once as ``dtype_info``), :class:`CheckpointMetadata` (what a
+checkpoint says about itself; ``Checkpoint.metadata``), :class:`RootMetadata`
+(that plus the index) and :class:`SaveStatsRecord` (spec 9.7). Each has an
+explicit ``to_json``; the TypedDicts (``TensorEntryJSON``, ``RootJSON``,
+``SaveStatsJSON``) document the JSON it gives.
 """
 
 from __future__ import annotations
@@ -14,7 +22,11 @@ from __future__ import annotations
 import functools
 import json
 import math
-from dataclasses import dataclass, field
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field, fields
+from typing import Any, TypedDict, cast
+
+import torch
 
 from ..errors import CorruptCheckpointError, UnsupportedValueError
 from . import dtypes as _dtypes
@@ -33,24 +45,78 @@ MAX_ROOT_JSON_BYTES = 256 << 20  # the largest root zarr.json a reader parses (s
 MAX_NODE_JSON_BYTES = 16 << 20  # the largest array or group zarr.json a reader parses (spec 12)
 
 
+# ------------------------------------------------------------- JSON forms
+# What the documents look like (spec 9.3, 9.4, 9.7), for readers of the code;
+# the dataclasses below are what the library passes around.
+
+
+class TensorEntryJSON(TypedDict):
+    """An entry of the index's ``tensors`` (spec 9.4)."""
+
+    dtype: str
+    data_type: str
+    shape: list[int]
+    chunk_shape: list[int]
+    inner_chunk_shape: list[int]
+
+
+class SaveStatsJSON(TypedDict, total=False):
+    """The optional root member ``save_stats`` (spec 9.7): one entry per rank."""
+
+    seconds: dict[str, list[float]]
+    bytes_written: list[int]
+
+
+class RootJSON(TypedDict, total=False):
+    """``attributes.tensorckpt`` of the root ``zarr.json`` (spec 9.3)."""
+
+    format_version: str
+    must_understand: list[str]
+    library_version: str
+    created: str
+    world_size: int
+    user_metadata: dict
+    tensors: dict[str, TensorEntryJSON]
+    values: dict[str, object]
+    save_stats: SaveStatsJSON
+
+
 @dataclass(frozen=True)
 class TensorEntry:
     """One logical tensor: a Zarr v3 array at ``key`` (the flat key)."""
 
-    dtype: str  # torch dtype name, e.g. "bfloat16"
+    dtype: str  # torch dtype name, e.g. "bfloat16": the JSON's ``dtype``
     shape: tuple[int, ...]
     chunk_shape: tuple[int, ...]  # Zarr chunk = shard = one writer's box
     inner_chunk_shape: tuple[int, ...]  # sharding_indexed inner chunk
 
+    @functools.cached_property
+    def dtype_info(self) -> _dtypes.DType:
+        """The dtype record of ``dtype`` (itemsize, Zarr name, numpy dtype),
+        looked up once per entry."""
+        return _dtypes.BY_TORCH[self.dtype]
+
+    def __getstate__(self) -> dict[str, object]:
+        """Pickled (sent between ranks) without the cached ``dtype_info``."""
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return _dtypes.torch_dtype(self.dtype_info)
+
     @property
     def zarr_data_type(self) -> str:
-        return _dtypes.BY_TORCH[self.dtype].zarr_name
+        return self.dtype_info.zarr_name
+
+    @property
+    def itemsize(self) -> int:
+        return self.dtype_info.itemsize
 
     @property
     def nbytes(self) -> int:
-        return math.prod(self.shape) * _dtypes.BY_TORCH[self.dtype].itemsize
+        return math.prod(self.shape) * self.dtype_info.itemsize
 
-    def to_json(self) -> dict:
+    def to_json(self) -> TensorEntryJSON:
         return {
             "dtype": self.dtype,
             "data_type": self.zarr_data_type,
@@ -60,33 +126,115 @@ class TensorEntry:
         }
 
 
-@dataclass(frozen=True)
-class RootMetadata:
-    tensors: dict[str, TensorEntry]
-    values: dict[str, object]
+@dataclass(frozen=True, eq=False)
+class SaveStatsRecord(Mapping[str, object]):
+    """The root's ``save_stats`` (spec 9.7): how the save that wrote the
+    checkpoint went on each rank. ``seconds`` maps each phase to one time per
+    rank, ``bytes_written`` has one count per rank; either is None where the
+    document lacks it (both are optional). Phases and members a later writer
+    added are kept (``other``) and ignored.
+
+    It is also a read-only mapping over its JSON form (``stats["seconds"]``,
+    ``stats == doc``), which is what ``Checkpoint.metadata.save_stats`` was
+    before it was typed."""
+
+    seconds: Mapping[str, tuple[float, ...]] | None = None
+    bytes_written: tuple[int, ...] | None = None
+    other: Mapping[str, object] = field(default_factory=dict)  # members this version does not know, as read
+
+    @classmethod
+    def of_ranks(cls, seconds: Sequence[Mapping[str, float]], bytes_written: Sequence[int],
+                 phases: Sequence[str]) -> SaveStatsRecord:
+        """From each rank's phase times and bytes (rank order), as a save writes it."""
+        return cls({p: tuple(s[p] for s in seconds) for p in phases}, tuple(bytes_written))
+
+    @classmethod
+    def from_json(cls, doc: Mapping[str, Any]) -> SaveStatsRecord:
+        """From a document of the form of 9.7, already validated (a reader's
+        :func:`.versions.v1_1.save_stats`) or written by this library."""
+        seconds, written = doc.get("seconds"), doc.get("bytes_written")
+        return cls(
+            None if seconds is None else {p: tuple(t) for p, t in seconds.items()},
+            None if written is None else tuple(written),
+            {k: v for k, v in doc.items() if k not in ("seconds", "bytes_written")},
+        )
+
+    def to_json(self) -> SaveStatsJSON:
+        return cast(SaveStatsJSON, self._doc())
+
+    def _doc(self) -> dict[str, object]:
+        doc: dict[str, object] = {}
+        if self.seconds is not None:
+            doc["seconds"] = {p: list(t) for p, t in self.seconds.items()}
+        if self.bytes_written is not None:
+            doc["bytes_written"] = list(self.bytes_written)
+        doc.update(self.other)
+        return doc
+
+    # the mapping view over the JSON form
+    def __getitem__(self, name: str) -> object:
+        return self._doc()[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._doc())
+
+    def __len__(self) -> int:
+        return len(self._doc())
+
+    def __repr__(self) -> str:
+        return f"SaveStatsRecord({self.to_json()!r})"
+
+
+@dataclass(frozen=True, kw_only=True)
+class CheckpointMetadata:
+    """What a checkpoint says about itself (``tensorckpt.open(path).metadata``):
+    the root metadata without the index. :class:`RootMetadata` extends it, so
+    each field is declared once."""
+
     format_version: str = FORMAT_VERSION
     library_version: str = ""
     created: str = ""
     world_size: int = 1
     user_metadata: dict = field(default_factory=dict)
-    must_understand: tuple[str, ...] = ()
-    save_stats: dict | None = None  # per-rank phase times and bytes (spec 9.7), informational
+    save_stats: SaveStatsRecord | None = None  # per-rank phase times and bytes (spec 9.7); None before format 1.1
 
-    def to_json(self, entries: bool = True) -> dict:
-        """The ``attributes.tensorckpt`` document; without ``entries``,
-        ``tensors`` holds only the sorted keys (for :func:`root_group_json`)."""
-        doc = {
+    def __post_init__(self) -> None:
+        if self.save_stats is not None and not isinstance(self.save_stats, SaveStatsRecord):
+            object.__setattr__(self, "save_stats", SaveStatsRecord.from_json(self.save_stats))  # given as JSON
+
+    def header(self) -> CheckpointMetadata:
+        """These fields alone, as a :class:`CheckpointMetadata` (of a
+        :class:`RootMetadata`: without its index)."""
+        return CheckpointMetadata(**{f.name: getattr(self, f.name) for f in fields(CheckpointMetadata)})
+
+
+@dataclass(frozen=True)
+class RootMetadata(CheckpointMetadata):
+    """The whole ``attributes.tensorckpt`` document (spec 9.3): the
+    checkpoint's own fields (keywords), the index of tensors and values."""
+
+    tensors: dict[str, TensorEntry]
+    values: dict[str, object]
+    must_understand: tuple[str, ...] = ()
+
+    def to_json(self) -> RootJSON:
+        """The ``attributes.tensorckpt`` document."""
+        return cast(RootJSON, self._members({k: e.to_json() for k, e in sorted(self.tensors.items())}))
+
+    def _members(self, tensors: object) -> dict[str, object]:
+        """The document's members in order, with ``tensors`` as given."""
+        doc: dict[str, object] = {
             "format_version": self.format_version,
             "must_understand": list(self.must_understand),
             "library_version": self.library_version,
             "created": self.created,
             "world_size": self.world_size,
             "user_metadata": self.user_metadata,
-            "tensors": {k: e.to_json() for k, e in sorted(self.tensors.items())} if entries else sorted(self.tensors),
+            "tensors": tensors,
             "values": dict(sorted(self.values.items())),
         }
         if self.save_stats is not None:
-            doc["save_stats"] = self.save_stats
+            doc["save_stats"] = self.save_stats.to_json()
         return doc
 
 
@@ -97,8 +245,8 @@ def root_group_json(meta: RootMetadata) -> bytes:
     (a plan reused by the next save has the same entries) and spliced in as
     text: building thousands of dicts per save set off full garbage
     collections that cost more than the rest of a small-tensor commit."""
-    doc = meta.to_json(entries=False)
-    tensors = "{" + ", ".join(f"{_text(k)}: {entry_json(meta.tensors[k])}" for k in doc["tensors"]) + "}"
+    doc = meta._members(None)
+    tensors = "{" + ", ".join(f"{_text(k)}: {entry_json(meta.tensors[k])}" for k in sorted(meta.tensors)) + "}"
     attrs = "{" + ", ".join(f"{_text(k)}: {tensors if k == 'tensors' else _text(v)}" for k, v in doc.items()) + "}"
     return f'{{"zarr_format": 3, "node_type": "group", "attributes": {{{_text(ATTRIBUTE)}: {attrs}}}}}'.encode("utf-8")
 

@@ -346,9 +346,8 @@ def write_tensorckpt(
         groups = _Part(plan.entries, dict.fromkeys(plan.entries, -1), plan.values)
         _write_batch({}, groups, c.write_to, stats)
         stats.bytes_written = sum(e.nbytes for e in plan.entries.values())
-        phases = ("plan", "stage", "write", "sync")  # spec 9.7's save_stats, for the one writer
-        doc = {"seconds": {p: [round(stats.seconds.get(p, 0.0), 6)] for p in phases}, "bytes_written": [stats.bytes_written]}
-        commit.finish(c, root_group_json(dataclasses.replace(meta, save_stats=doc)))
+        save_stats = engine_save.stats_record([stats.result()])  # spec 9.7's save_stats, for the one writer
+        commit.finish(c, root_group_json(dataclasses.replace(meta, save_stats=save_stats)))
     except BaseException:
         commit.abort(c)
         raise

@@ -24,7 +24,6 @@ import torch
 
 from ..checkpoint import Checkpoint
 from ..errors import CheckpointExistsError, TensorckptError, UnsupportedValueError
-from ..format import dtypes
 from ..format.keys import split_flat_key
 from .core import Path, Progress, Source, SourceTensor, read_cast
 
@@ -37,7 +36,7 @@ class CheckpointSource(Source):
         self.description = self.ckpt.path
         idx = self.ckpt.index
         self.tensors = [
-            SourceTensor(split_flat_key(k), dtypes.torch_dtype(dtypes.BY_TORCH[e.dtype]), tuple(e.shape), k)
+            SourceTensor(split_flat_key(k), e.torch_dtype, tuple(e.shape), k)
             for k, e in sorted(idx.tensors.items())
         ]
         self.values = {split_flat_key(k): v for k, v in sorted(idx.values.items())}

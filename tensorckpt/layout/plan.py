@@ -340,4 +340,4 @@ def _short(v: object, limit: int = 60) -> str:
 
 def plan_bytes(plan: SavePlan, rank: int) -> int:
     e = plan.entries
-    return sum(b.numel * dtypes.BY_TORCH[e[k].dtype].itemsize for k, b in plan.writes_of(rank))
+    return sum(b.numel * e[k].itemsize for k, b in plan.writes_of(rank))

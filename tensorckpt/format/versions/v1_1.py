@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from ...errors import CorruptCheckpointError
-from ..metadata import MAX_INT, RootMetadata, _obj
+from ..metadata import MAX_INT, RootMetadata, SaveStatsRecord, _obj
 from . import v1_0
 
 VERSION = (1, 1)
@@ -24,7 +24,7 @@ def read(meta: dict, where: str) -> RootMetadata:
     return root if stats is None else replace(root, save_stats=stats)
 
 
-def save_stats(doc: object, world: int, where: str) -> dict | None:
+def save_stats(doc: object, world: int, where: str) -> SaveStatsRecord | None:
     """Validate the optional ``save_stats`` member (9.7): per-phase lists of
     ``world_size`` finite non-negative seconds, and bytes written per rank.
     Unknown phases and members are kept and ignored."""
@@ -43,4 +43,4 @@ def save_stats(doc: object, world: int, where: str) -> dict | None:
         isinstance(x, int) and not isinstance(x, bool) and 0 <= x <= MAX_INT for x in written
     )):
         raise CorruptCheckpointError(f"{what}.bytes_written must list {world} non-negative integers, one per rank")
-    return doc
+    return SaveStatsRecord.from_json(doc)
