@@ -105,7 +105,7 @@ def _arm(kill_at: int | None) -> list[int]:
     import types
 
     from tensorckpt import manager
-    from tensorckpt.storage import commit, kv
+    from tensorckpt.storage import commit_local, kv
 
     count = [0]
 
@@ -120,11 +120,11 @@ def _arm(kill_at: int | None) -> list[int]:
 
     for name in ("write", "delete", "delete_all", "copy_all", "sync_tree", "fsync_dir", "write_many_async", "exchange"):
         setattr(kv, name, wrap(getattr(kv, name)))
-    for module in (commit, manager):
+    for module in (commit_local, manager):
         fake = types.SimpleNamespace(**{n: getattr(os, n) for n in dir(os) if not n.startswith("__")})
         fake.rename = wrap(os.rename)
         module.os = fake
-    commit.open = wrap(open)
+    commit_local.open = wrap(open)
     return count
 
 
