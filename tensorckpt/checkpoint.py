@@ -214,7 +214,7 @@ def _normalize_index(index, shape: tuple[int, ...], where: str) -> tuple:
         index = index[:at] + (slice(None),) * (len(shape) - len(index) + 1) + index[at + 1 :]
     if len(index) > len(shape):
         raise InvalidIndexError(f"{where}: {len(index)} indices for a {len(shape)}-d tensor of shape {list(shape)}")
-    out = []
+    out: list[slice | int] = []
     for i, (ix, n) in enumerate(zip(index, shape)):
         if isinstance(ix, slice):
             try:

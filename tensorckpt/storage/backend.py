@@ -41,11 +41,21 @@ if TYPE_CHECKING:
 class Backend(Protocol):
     """One kind of storage. Every method takes the :class:`Location` it acts on."""
 
-    supports_rename: bool  # a file system: directories that can be held open and renamed atomically (10.2)
-    records_times: bool  # objects carry modification times: age() is not None
-    fast_chunks: bool  # chunk_writer / chunk_reader give tensorckpt's own encoder (storage/direct.py)
-    shared: bool  # other processes see the same objects (a distributed job can use it)
-    commit: CommitStrategy  # how a save becomes valid in one step
+    @property
+    def supports_rename(self) -> bool:
+        """A file system: directories that can be held open and renamed atomically (10.2)."""
+    @property
+    def records_times(self) -> bool:
+        """Objects carry modification times: :meth:`age` is not None."""
+    @property
+    def fast_chunks(self) -> bool:
+        """:meth:`chunk_writer` / :meth:`chunk_reader` give tensorckpt's own codec (``direct.py``)."""
+    @property
+    def shared(self) -> bool:
+        """Other processes see the same objects (a distributed job can use it)."""
+    @property
+    def commit(self) -> CommitStrategy:
+        """How a save becomes valid in one step."""
 
     def read(self, loc: Location, key: str, limit: int, where: str) -> tuple[object, bytes | None]:
         """(storage generation or None, bytes or None if absent) of a small

@@ -338,7 +338,7 @@ _INNER_RE = re.compile(r"shard entry \{([0-9, ]*)\}/")
 _SPEC_RE = re.compile(r"\s*\[tensorstore_spec=.*\]\s*$", re.DOTALL)
 
 
-def wait(path: str, key: str, future: ts.Future) -> object:
+def wait(path: str, key: str, future: ts.Future | ts.WriteFutures) -> object:
     """Resolve a TensorStore read of tensor ``key``, turning its errors into a
     :class:`CorruptCheckpointError` naming the tensor and the stored chunk."""
     try:
@@ -362,8 +362,8 @@ def chunk_error(path: str, key: str, msg: str) -> str:
         return f"{path}: tensor {key!r}: a stored chunk {what} ({msg})"
     coords = found[-1].group(1)
     position = tuple(int(c) for c in coords.split("/")[1:])
-    inner = _INNER_RE.search(msg)
-    inner = f", inner chunk ({inner.group(1)})" if inner and inner.group(1) else ""
+    m = _INNER_RE.search(msg)
+    inner = f", inner chunk ({m.group(1)})" if m and m.group(1) else ""
     return f"{path}/{key}/c{coords}: tensor {key!r}, chunk {position}{inner}, {what} ({msg})"
 
 
