@@ -99,16 +99,6 @@ def fsync_dir(path: str) -> None:
         os.close(fd)
 
 
-def exchange(a: str, b: str) -> bool:
-    """Atomically swap two local paths (Linux renameat2 RENAME_EXCHANGE).
-    Returns False where the system or file system does not support it."""
-    fn = getattr(_libc, "renameat2", None)
-    if fn is None:
-        return False
-    at_fdcwd, rename_exchange = -100, 2
-    return fn(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0
-
-
 def write_many_async(loc: Location, objects: dict[str, bytes]) -> Callable[[], None]:
     """Start writing several small objects; returns a function that waits."""
     if not objects:
