@@ -21,10 +21,10 @@ from __future__ import annotations
 import errno
 import os
 import stat
-import time
 from dataclasses import dataclass, field
 
 from .storage import commit, kv, location
+from .storage.backend import backend_for
 
 DEFAULT_OLDER_THAN = 3600.0  # seconds
 
@@ -84,7 +84,7 @@ def _clean(target: location.Location, older_than: float, dry_run: bool) -> Clean
         _settle(report, s, ages[s], complete, keep, gone)
     if not committed and kv.exists(target):
         age = _age(target)
-        if target.is_local:
+        if backend_for(target).supports_rename:
             keep = "not left by a save (local saves write only under staging names): delete it yourself if unwanted"
         elif any(_too_young(a, older_than) for a in ages.values()):
             keep = "a save may be replacing it: one of its staging locations is recent or of unknown age"
@@ -117,7 +117,7 @@ def _settle(report: CleanReport, loc: location.Location, age: float | None, comp
 def _foreign(loc: location.Location) -> str | None:
     """Why a local name with a staging prefix is not a leftover of a save (a
     symbolic link, a special file), or None. Saves make only directories."""
-    if not loc.is_local:
+    if not backend_for(loc).supports_rename:  # an object store holds only objects
         return None
     try:
         st = os.lstat(loc.path)
@@ -133,7 +133,7 @@ def _foreign(loc: location.Location) -> str | None:
 def _has_root(loc: location.Location) -> bool:
     """Whether ``loc`` holds a root zarr.json (spec 10.4), without reading it
     (locally: and without following a link at ``loc``)."""
-    if loc.is_local:
+    if backend_for(loc).supports_rename:
         try:
             if stat.S_ISLNK(os.lstat(loc.path).st_mode):
                 return False
@@ -146,23 +146,7 @@ def _has_root(loc: location.Location) -> bool:
 def _age(loc: location.Location) -> float | None:
     """Seconds since anything under ``loc`` last changed (modified, created,
     renamed: the later of mtime and ctime), or None where unknown."""
-    if not loc.is_local:
-        return None
-    newest = 0.0
-    for folder, dirs, files in os.walk(loc.path):
-        for name in [".", *dirs, *files]:
-            try:
-                st = os.lstat(os.path.join(folder, name))
-            except FileNotFoundError:
-                continue
-            newest = max(newest, st.st_mtime, st.st_ctime)
-    if not newest:
-        try:  # a plain file, not a directory
-            st = os.lstat(loc.path)
-            newest = max(st.st_mtime, st.st_ctime)
-        except FileNotFoundError:
-            return None
-    return max(0.0, time.time() - newest)
+    return backend_for(loc).age(loc)
 
 
 def _remove(loc: location.Location, complete: bool) -> str | None:

@@ -23,6 +23,7 @@ from .errors import (
     TensorckptError,
 )
 from .storage import commit, kv
+from .storage.backend import backend_for
 from .storage.location import Location
 
 _STEP = re.compile(r"step-[0-9]{8,}")
@@ -56,7 +57,7 @@ def no_root(loc: Location) -> None:
             f"{loc}: the checkpoint was never committed (no root zarr.json); an interrupted save left "
             f"{', '.join(str(s) for s in stale)}.{hint}"
         )
-    if loc.is_local:  # a local save writes only under staging names (10.2): tensorckpt did not leave this
+    if backend_for(loc).supports_rename:  # a local save writes only under staging names (10.2): tensorckpt did not leave this
         raise IncompleteCheckpointError(
             f"{loc}: not a committed checkpoint: it was never committed or its root was removed (no root "
             "zarr.json), and no interrupted tensorckpt save left it so (a local save renames a complete "
@@ -74,7 +75,7 @@ def describe(loc: Location) -> str | None:
     """A message naming what is at ``loc`` and how to use it, when it is a
     kind of checkpoint or model tensorckpt recognises; else None."""
     src = str(loc)
-    if loc.is_local and os.path.isfile(loc.path):
+    if backend_for(loc).supports_rename and os.path.isfile(loc.path):
         return _describe_file(loc.path)
     names = _names(loc)
     if ".metadata" in names or any(n.endswith(".distcp") for n in names):
@@ -112,12 +113,7 @@ def _describe_file(path: str) -> str:
 
 
 def _names(loc: Location) -> set[str]:
-    if loc.is_local:
-        try:
-            return set(os.listdir(loc.path))
-        except OSError:
-            return set()
-    return {k.split("/", 1)[0] for k in kv.list_keys(loc, limit=100_000)}
+    return backend_for(loc).names(loc)
 
 
 def _few(names: list[str], limit: int = 3) -> str:

@@ -62,6 +62,7 @@ from .engine.load import load as _load
 from .engine.save import save as _save
 from .errors import CheckpointChangedError, CheckpointExistsError, TensorckptError
 from .storage import commit, kv, location
+from .storage.backend import backend_for
 
 STEP_PREFIX = "step-"
 STEP_DIGITS = 8
@@ -150,13 +151,14 @@ class CheckpointManager:
             if not (isinstance(v, (int, float)) and not isinstance(v, bool) and v >= 0):
                 raise ValueError(f"CheckpointManager({name}=...) must be a number of seconds >= 0, got {v!r}")
         self.root = location.parse(root)
-        if self.root.is_local:
+        self._fs = backend_for(self.root).supports_rename  # a file system: directories, renames, times
+        if self._fs:
             _check_root(self.root)
         self.keep_last, self.keep_every = keep_last, keep_every
         self.reader_grace, self.grace = float(reader_grace), float(grace)
         self.process_group = process_group
         self._g = Group(process_group)
-        if self._g.distributed and not self.root.is_local:
+        if self._g.distributed and not backend_for(self.root).shared:
             raise TensorckptError(f"{self.root}: memory:// stores are per process; a distributed job needs a shared file path")
         self._lock = threading.RLock()  # retention and listing on rank 0
         self._seen: dict[int, float] = {}  # step -> when this manager saw it committed (stores without times)
@@ -409,7 +411,7 @@ class CheckpointManager:
             return False
         best = sorted(whole, key=lambda x: (x.name.endswith("-old"), x.name))[0]
         target = self._loc(step)
-        if target.is_local:
+        if self._fs:
             if os.path.lexists(target.path) or not _is_dir(best.path):
                 return False  # not made by a save (spec 10.5 rule 1), or no longer a directory: left alone
             if commit.renameat2(best.path, target.path, commit.RENAME_NOREPLACE) in (errno.EINVAL, errno.ENOSYS):
@@ -432,7 +434,7 @@ class CheckpointManager:
         delete it, root ``zarr.json`` first; on object stores, delete the root
         ``zarr.json`` first (the step is then uncommitted), then the rest."""
         loc = self._loc(step)
-        if loc.is_local:
+        if self._fs:
             if not _is_dir(loc.path):
                 raise TensorckptError(f"{loc}: not a directory (a link?): left alone")
             trash = self._child(f".{loc.name}{RETIRED_INFIX}{commit.new_token()}")
@@ -448,7 +450,7 @@ class CheckpointManager:
         the latest mtime/ctime of its root ``zarr.json`` and directory; other
         stores keep no times: when this manager first saw it committed."""
         loc = self._loc(step)
-        if loc.is_local:
+        if backend_for(loc).records_times:
             t = 0.0
             for p in (os.path.join(loc.path, commit.ROOT_KEY), loc.path):
                 try:
@@ -464,7 +466,7 @@ class CheckpointManager:
     def _names(self) -> set[str]:
         """Names directly under the root (locally: only directories and plain
         files; links and special files are foreign, never ours)."""
-        if self.root.is_local:
+        if self._fs:
             _check_root(self.root)
             try:
                 with os.scandir(self.root.path) as it:
@@ -545,13 +547,4 @@ def _check_root(root: location.Location) -> None:
 
 
 def _stored_bytes(loc: location.Location) -> int:
-    if loc.is_local:
-        total = 0
-        for folder, _, files in os.walk(loc.path):
-            for name in files:
-                try:
-                    total += os.lstat(os.path.join(folder, name)).st_size
-                except FileNotFoundError:
-                    pass
-        return total
-    return sum(len(kv.read(loc, k) or b"") for k in kv.list_keys(loc))
+    return sum(size or 0 for _, size in backend_for(loc).sizes(loc, ""))

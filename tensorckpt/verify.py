@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import tensorstore as ts
 
-from .checkpoint import Checkpoint, chunk_error, read_object
+from .checkpoint import Checkpoint
 from .errors import (
     CheckpointChangedError,
     CheckpointPermissionError,
@@ -41,6 +41,8 @@ from .errors import (
 from .format.metadata import loads
 from .layout.boxes import Box
 from .storage import arrays, direct, location
+from .storage.backend import backend_for
+from .storage.reader import StoredArrays, chunk_error, read_object
 
 BLOCK_BYTES = 16 << 20  # largest region read at once (an inner chunk larger than this is read alone)
 IN_FLIGHT = 4  # blocks read concurrently
@@ -106,11 +108,11 @@ def verify(path: str | os.PathLike[str], *, progress: Progress | None = None, bl
         if progress is not None:
             progress(report.bytes, total)
 
-    fast = direct.available(loc.is_local)
+    fast = backend_for(loc).fast_chunks
     changed = CheckpointChangedError(
         f"{ckpt.path}: the checkpoint was replaced or deleted while it was verified; verify it again"
     )
-    with ckpt, direct.Pool(ckpt.read_location.path, ckpt.path, threads=2) if fast else contextlib.nullcontext() as pool:
+    with ckpt, backend_for(loc).chunk_reader(ckpt.read_location, ckpt.path, threads=2) or contextlib.nullcontext() as pool:
         try:
             for key in sorted(ckpt.index.tensors):
                 usable = fast and direct.usable(ckpt.index.tensors[key])
@@ -125,7 +127,7 @@ def verify(path: str | os.PathLike[str], *, progress: Progress | None = None, bl
     return report
 
 
-def _check_groups(ckpt: Checkpoint, report: VerifyReport) -> None:
+def _check_groups(ckpt: StoredArrays, report: VerifyReport) -> None:
     """Every proper prefix of a tensor's key must be a Zarr group (spec section 4)."""
     prefixes = {k.rsplit("/", i)[0] for k in ckpt.index.tensors for i in range(1, k.count("/") + 1)}
     for prefix in sorted(prefixes):
@@ -141,7 +143,7 @@ def _check_groups(ckpt: Checkpoint, report: VerifyReport) -> None:
             report.problems.append(Problem("corrupt", where, str(e)))
 
 
-def _check_tensor(ckpt: Checkpoint, key: str, report: VerifyReport, tick: Callable[[], None], block_bytes: int,
+def _check_tensor(ckpt: StoredArrays, key: str, report: VerifyReport, tick: Callable[[], None], block_bytes: int,
                   pool: direct.Pool | None = None) -> None:
     """Check one tensor's metadata and every stored chunk: through ``pool``
     (:mod:`tensorckpt.storage.direct`, local checkpoints) or TensorStore."""

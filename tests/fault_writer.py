@@ -105,7 +105,7 @@ def _arm(kill_at: int | None) -> list[int]:
     import types
 
     from tensorckpt import manager
-    from tensorckpt.storage import commit, kv
+    from tensorckpt.storage import commit_local, kv
 
     count = [0]
 
@@ -118,22 +118,29 @@ def _arm(kill_at: int | None) -> list[int]:
 
         return op
 
-    for name in ("write", "delete", "delete_all", "copy_all", "sync_tree", "fsync_dir", "write_many_async", "exchange"):
+    for name in ("write", "delete", "delete_all", "copy_all", "sync_tree", "fsync_dir", "write_many_async"):
         setattr(kv, name, wrap(getattr(kv, name)))
-    for module in (commit, manager):
+    for module in (commit_local, manager):
         fake = types.SimpleNamespace(**{n: getattr(os, n) for n in dir(os) if not n.startswith("__")})
         fake.rename = wrap(os.rename)
         module.os = fake
-    commit.open = wrap(open)
+    commit_local.open = wrap(open)
     return count
 
 
 def _writer(cmd: dict, rank: int, world: int, port: int, fd: int) -> None:
     kind, root, step = cmd["kind"], cmd["root"], cmd["step"]
     if kind == "replace-fallback":
-        from tensorckpt.storage import kv
+        import errno
 
-        kv.exchange = lambda a, b: False  # as on a file system without RENAME_EXCHANGE
+        from tensorckpt.storage import commit, commit_local
+
+        real = commit_local.renameat2
+
+        def renameat2(src, dst, flags, *a):  # as on a file system without RENAME_EXCHANGE
+            return errno.EINVAL if flags == commit.RENAME_EXCHANGE else real(src, dst, flags, *a)
+
+        commit_local.renameat2 = renameat2
     ops = _arm(cmd.get("kill_at_op") if rank in cmd.get("victims", [0]) else None)
     if kind.startswith("dist-"):
         import torch.distributed as dist

@@ -63,7 +63,7 @@ import fault_writer as fw  # noqa: E402
 
 import tensorckpt  # noqa: E402
 from tensorckpt.cli import main as cli_main  # noqa: E402
-from tensorckpt.storage import commit, kv, location  # noqa: E402
+from tensorckpt.storage import commit, commit_local, kv, location  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("fresh_plan_cache")
 
@@ -454,10 +454,10 @@ class Injector:
             return waiter
 
         monkeypatch.setattr(kv, "write_many_async", write_many_async)
-        real_os = commit.os
+        real_os = commit_local.os
         fake_os = types.SimpleNamespace(**{n: getattr(real_os, n) for n in dir(real_os) if not n.startswith("__")})
         fake_os.rename = self._wrap("rename", real_os.rename)
-        monkeypatch.setattr(commit, "os", fake_os)
+        monkeypatch.setattr(commit_local, "os", fake_os)
         real_open = open
 
         def open_(path, mode="r", *a, **kw):
@@ -467,7 +467,7 @@ class Injector:
                 raise self._error("open-write")
             return f
 
-        monkeypatch.setattr(commit, "open", open_, raising=False)
+        monkeypatch.setattr(commit_local, "open", open_, raising=False)
 
     def _hit(self, name: str) -> bool:
         self.calls.append(name)

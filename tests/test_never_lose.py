@@ -23,7 +23,7 @@ import torch
 import tensorckpt
 from tensorckpt import cli
 from tensorckpt.errors import CheckpointExistsError, TensorckptError
-from tensorckpt.storage import commit, location
+from tensorckpt.storage import commit, commit_local, location
 
 pytestmark = pytest.mark.usefixtures("fresh_plan_cache")
 
@@ -173,13 +173,13 @@ def test_a_staging_named_link_is_not_adopted(tmp_path):
 
 def _racer(paths: list, k: int, barrier, out) -> None:
     """Save to each of ``paths`` in turn; both racers commit each one at once."""
-    inner = commit._finish_local
+    inner = commit_local._finish_local
 
     def finish(c, root_json):
         barrier.wait(60)  # both saves have written everything: now both commit
         inner(c, root_json)
 
-    commit._finish_local = finish
+    commit_local._finish_local = finish
     for path in paths:
         try:
             tensorckpt.save(_state(k), path)
@@ -228,7 +228,7 @@ def test_two_new_saves_cannot_both_win(tmp_path):
 def test_a_replace_whose_staging_vanished_publishes_nothing(tmp_path, monkeypatch, how):
     p = tmp_path / "c"
     tensorckpt.save(_state(1), p)
-    inner = commit._finish_local
+    inner = commit_local._finish_local
 
     def finish(c, root_json):  # `tensorckpt clean --older-than 0` runs after the writes, before the commit
         report = tensorckpt.clean(p, older_than=0)
@@ -237,7 +237,7 @@ def test_a_replace_whose_staging_vanished_publishes_nothing(tmp_path, monkeypatc
             os.mkdir(c.write_to.path)
         inner(c, root_json)
 
-    monkeypatch.setattr(commit, "_finish_local", finish)
+    monkeypatch.setattr(commit_local, "_finish_local", finish)
     with pytest.raises(TensorckptError, match="staging directory .* while the save ran.*old checkpoint is untouched"):
         tensorckpt.save(_state(2), p, overwrite=True)
     monkeypatch.undo()

@@ -29,11 +29,13 @@ import torch
 from ..adapters import registry
 from ..adapters.sharded import local_part
 from ..adapters.state import flatten, set_leaf
-from ..checkpoint import Checkpoint, open_pinned, parse_root_bytes, wait
+from ..checkpoint import open_pinned, parse_root_bytes
 from ..errors import IncompatibleStateError, TensorckptError
 from ..format import dtypes
 from ..layout.boxes import Box, bytes_fetched
 from ..storage import direct, location
+from ..storage.backend import backend_for
+from ..storage.reader import StoredArrays, wait
 from .group import Group
 
 IN_FLIGHT_BYTES = 128 << 20  # reads issued ahead of the oldest unfinished one
@@ -121,7 +123,7 @@ def load(
     g = Group(process_group)
     loc = location.parse(path)
     what = f"load from {loc}"
-    if g.distributed and not loc.is_local:
+    if g.distributed and not backend_for(loc).shared:
         raise TensorckptError(f"{loc}: memory:// stores are per process; a distributed load needs a shared file path")
     held: dict = {}
 
@@ -130,14 +132,14 @@ def load(
         return RootMessage(raw, held["pin"].dir_id)
 
     raw, version = g.collective(None, root, what=what)
-    ckpt = Checkpoint(loc, _root=parse_root_bytes(loc, raw), _pin=held.get("pin"))  # the same bytes everywhere
+    ckpt = StoredArrays(loc, parse_root_bytes(loc, raw), held.get("pin"))  # the same bytes everywhere
     try:
         return _load(state, ckpt, g, version, strict, partial, cast, stats, t0)
     finally:
         ckpt.close()
 
 
-def _load(state: MutableMapping, ckpt: Checkpoint, g: Group, version, strict: bool, partial: bool, cast: bool,
+def _load(state: MutableMapping, ckpt: StoredArrays, g: Group, version, strict: bool, partial: bool, cast: bool,
           stats: LoadStats | None, t0: float) -> MutableMapping:
     what = f"load from {ckpt.location}"
     index = ckpt.index
@@ -183,7 +185,7 @@ def _load(state: MutableMapping, ckpt: Checkpoint, g: Group, version, strict: bo
     return state
 
 
-def _targets(ckpt: Checkpoint, targets: dict, cast: bool) -> dict[str, tuple[torch.Tensor, Box]]:
+def _targets(ckpt: StoredArrays, targets: dict, cast: bool) -> dict[str, tuple[torch.Tensor, Box]]:
     """The tensor reads of this rank: key -> (target's local tensor, its box);
     refuses a leaf of the wrong kind, shape or (without ``cast``) dtype."""
     index = ckpt.index
@@ -241,7 +243,7 @@ def _slabs(e, box: Box, itemsize: int) -> list[tuple[slice, Box]]:
     return out
 
 
-def _read_into(ckpt: Checkpoint, targets: dict[str, tuple[torch.Tensor, Box]], stats: LoadStats) -> None:
+def _read_into(ckpt: StoredArrays, targets: dict[str, tuple[torch.Tensor, Box]], stats: LoadStats) -> None:
     """Read every target box, straight into the target's memory when it is a
     CPU tensor numpy can view and has the stored dtype, else into buffers of
     the stored dtype (at most ``SLAB_BYTES`` each) that are copied over, with
@@ -251,10 +253,11 @@ def _read_into(ckpt: Checkpoint, targets: dict[str, tuple[torch.Tensor, Box]], s
     (same bytes and checks, less CPU), any other through TensorStore."""
     t0 = time.perf_counter()
     ckpt.check_arrays(list(targets))
-    fast = direct.available(ckpt.location.is_local)
+    backend = backend_for(ckpt.location)
+    fast = backend.fast_chunks
     slow = [k for k in targets if not (fast and direct.usable(ckpt.index.tensors[k]))]
     srcs = ckpt.open_arrays(slow)
-    pool = direct.Pool(ckpt.read_location.path, ckpt.path) if len(slow) < len(targets) else None
+    pool = backend.chunk_reader(ckpt.read_location, ckpt.path) if len(slow) < len(targets) else None
     pending: collections.deque = collections.deque()
     in_flight, copy_seconds = 0, 0.0
 

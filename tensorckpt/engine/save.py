@@ -31,7 +31,6 @@ and collectives 1 to 3 carry :class:`LocalPlanMessage`, :class:`Decision` and
 from __future__ import annotations
 
 import datetime
-import os
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields, replace
@@ -48,8 +47,16 @@ from ..format import dtypes
 from ..format.metadata import RootMetadata, SaveStatsRecord, check_value, dumps, root_group_json
 from ..layout import grid
 from ..layout.boxes import Box, chunk_box, read_plan
-from ..layout.plan import LocalItem, LocalPlan, SavePlan, build_save_plan, merge_values, plan_bytes
+from ..layout.plan import (
+    LocalItem,
+    LocalPlan,
+    SavePlan,
+    build_save_plan,
+    merge_values,
+    plan_bytes,
+)
 from ..storage import arrays, commit, direct, kv, location
+from ..storage.backend import backend_for
 from .group import Group, _attempt
 from .replicas import check_not_flat, check_replicas, digests_of
 
@@ -277,7 +284,7 @@ def _forget(cache_key) -> None:
 def _local_plan(state: Mapping, g: Group, loc: location.Location) -> tuple[LocalPlan, dict]:
     """This rank's local plan, and the digests of its plain (replicated)
     tensors, which rank 0 compares across ranks (none in a single process)."""
-    if g.distributed and not loc.is_local:
+    if g.distributed and not backend_for(loc).shared:
         raise TensorckptError(f"{loc}: memory:// stores are per process; a distributed save needs a shared file path")
     items, values = [], {}
     leaves = flatten(state)
@@ -418,14 +425,14 @@ def _write_local(
     objects = {f"{k}/zarr.json": arrays.zarr_json(e) for k, e in plan.entries.items() if plan.meta_writers[k] == rank}
     if rank == 0:
         objects.update({f"{gk}/zarr.json": _GROUP_JSON for gk in _groups(plan)})
-    if loc.is_local:
-        os.makedirs(loc.path, exist_ok=True)  # also when this rank writes nothing
+    backend = backend_for(loc)
+    backend.prepare(loc)  # also when this rank writes nothing
     mine = plan.writes_of(rank)
     meta_write = kv.write_many_async(loc, objects)
     small = {(k, b): pos for k, b in mine if (pos := arrays.whole_chunk(plan.entries[k], b)) is not None}
-    own = direct.available(loc.is_local)  # encode stored objects here rather than through TensorStore
+    own = backend.fast_chunks  # encode stored objects here rather than through TensorStore
     fast = {k for k, b in mine if own and (k, b) not in small and direct.usable(plan.entries[k])}
-    writer = direct.Writer(loc.path, sync_bytes=arrays.SYNC_OBJECT_BYTES) if fast else None
+    writer = backend.chunk_writer(loc, arrays.SYNC_OBJECT_BYTES) if fast else None
     opened = {k: arrays.open_write(loc, k, plan.entries[k]) for k in {k for k, b in mine if (k, b) not in small} - fast}
     writes, encoded, small_write = [], {}, lambda: None
     start, staging = time.perf_counter(), 0.0
@@ -464,11 +471,10 @@ def _write_local(
     if failure is not None:
         raise failure
     t = time.perf_counter()
-    if loc.is_local:
-        try:
-            kv.sync_tree(loc.path)
-        except OSError as e:
-            raise TensorckptError(f"{loc}: making the written data durable failed: {e}") from e
+    try:
+        backend.sync(loc)
+    except OSError as e:
+        raise TensorckptError(f"{loc}: making the written data durable failed: {e}") from e
     stats._phase("sync", t)
 
 

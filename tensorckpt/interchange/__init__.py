@@ -36,6 +36,7 @@ import torch
 
 from ..errors import CheckpointExistsError, TensorckptError
 from ..storage import kv, location
+from ..storage.backend import backend_for
 from . import core
 from .hf_load import load_safetensors
 
@@ -48,7 +49,7 @@ def detect(src: str | os.PathLike[str]) -> str:
     """The format of what is at ``src``."""
     text = os.fspath(src) if not isinstance(src, str) else src
     loc = location.parse(text)
-    if not loc.is_local:
+    if not backend_for(loc).supports_rename:  # an object store holds only tensorckpt checkpoints
         return "tensorckpt"
     path = loc.path
     if os.path.isdir(path):

@@ -1,5 +1,6 @@
-"""Zarr v3 arrays through TensorStore: the array metadata tensorckpt writes
-(spec section "Arrays") and asynchronous open, write and read."""
+"""Zarr v3 arrays through TensorStore: asynchronous open, write and read of
+the arrays whose metadata :mod:`tensorckpt.format.arrays` defines (spec
+section "Arrays"), and the bounds on a stored object's size."""
 
 from __future__ import annotations
 
@@ -12,40 +13,14 @@ import google_crc32c
 import numpy as np
 import tensorstore as ts
 
-from ..errors import CorruptCheckpointError
 from ..format import dtypes
-from ..format.metadata import ATTRIBUTE, TensorEntry, dumps
+from ..format.arrays import zarr_metadata
+from ..format.metadata import TensorEntry, dumps
 from ..layout.boxes import Box
 from .location import CONTEXT, SYNC_CONTEXT, Location
 
 SYNC_OBJECT_BYTES = 4 << 20  # stored objects from this size on are synced as they are written
 
-_BYTES = {"name": "bytes", "configuration": {"endian": "little"}}
-_CRC = {"name": "crc32c"}
-
-
-def zarr_metadata(entry: TensorEntry) -> dict:
-    """The array's ``zarr.json`` content (without ``zarr_format``/``node_type``)."""
-    d = dtypes.BY_TORCH[entry.dtype]
-    return {
-        "shape": list(entry.shape),
-        "data_type": d.zarr_name,
-        "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": list(entry.chunk_shape)}},
-        "chunk_key_encoding": {"name": "default", "configuration": {"separator": "/"}},
-        "fill_value": d.fill_value,
-        "codecs": [
-            {
-                "name": "sharding_indexed",
-                "configuration": {
-                    "chunk_shape": list(entry.inner_chunk_shape),
-                    "codecs": [_BYTES, _CRC],
-                    "index_codecs": [_BYTES, _CRC],
-                    "index_location": "end",
-                },
-            }
-        ],
-        "attributes": {ATTRIBUTE: {"dtype": entry.dtype}},
-    }
 
 
 def _spec(loc: Location, key: str) -> dict:
@@ -76,7 +51,7 @@ def open_write(loc: Location, key: str, entry: TensorEntry) -> ts.Future:
 def open_read(loc: Location, key: str, entry: TensorEntry) -> ts.Future:
     """Open array ``key`` for reading, with the metadata its index entry
     implies. The caller has checked the stored ``zarr.json`` against it
-    (check_array_metadata), so TensorStore never parses a stored
+    (format.arrays.check_array_metadata), so TensorStore never parses a stored
     document; a missing chunk is an error, never read as the fill value."""
     spec = _spec(loc, key) | {"metadata": zarr_metadata(entry), "assume_metadata": True, "fill_missing_data_reads": False}
     return ts.open(spec, context=CONTEXT, read=True)
@@ -139,74 +114,3 @@ def encode_whole_chunk(entry: TensorEntry, data: np.ndarray) -> bytes:
     chunk = raw + struct.pack("<I", google_crc32c.value(raw))
     index = struct.pack("<QQ", 0, len(chunk))
     return chunk + index + struct.pack("<I", google_crc32c.value(index))
-
-
-# ----------------------------------------------------------------- array metadata
-
-
-def check_array_metadata(doc: object, entry: TensorEntry, where: str) -> None:
-    """Check an array's ``zarr.json`` against its index entry, as spec
-    section 7 requires: exactly the members tensorckpt writes, where a member
-    equal to its Zarr default may be omitted, ``dimension_names`` and
-    ``must_understand: false`` extensions are ignored, and only
-    ``attributes.tensorckpt.dtype`` of the attributes is checked."""
-    if not isinstance(doc, dict):
-        raise CorruptCheckpointError(f"{where}: not a JSON object")
-    want = {"zarr_format": 3, "node_type": "array", **zarr_metadata(entry)}
-    if doc.get("storage_transformers", []) != []:
-        raise CorruptCheckpointError(f"{where}: storage_transformers are not allowed")
-    got = {
-        k: v for k, v in doc.items()
-        if k not in ("dimension_names", "storage_transformers")
-        and not (isinstance(v, dict) and v.get("must_understand") is False and k not in want)
-    }
-    _fill_defaults(got, dtypes.BY_TORCH[entry.dtype].itemsize)
-    attrs = got.get("attributes")
-    if isinstance(attrs, dict) and isinstance(attrs.get("tensorckpt"), dict):
-        got["attributes"] = {"tensorckpt": {"dtype": attrs["tensorckpt"].get("dtype")}}
-    if _same(got.get("fill_value"), want["fill_value"], numbers=True):
-        got["fill_value"] = want["fill_value"]  # 0 and 0.0 are the same JSON number
-    for member in sorted(want.keys() | got.keys()):
-        if member not in want:
-            raise CorruptCheckpointError(f"{where}: unexpected member {member!r}")
-        if member not in got:
-            raise CorruptCheckpointError(f"{where}: member {member!r} is missing")
-        if not _same(got[member], want[member]):
-            raise CorruptCheckpointError(
-                f"{where}: {member} is {_clip(got[member])} but the checkpoint index implies {_clip(want[member])}"
-            )
-
-
-def _fill_defaults(doc: dict, itemsize: int) -> None:
-    """Put back the members Zarr lets a writer omit (spec section 7), where
-    the documents around them have the expected shape."""
-    enc = doc.get("chunk_key_encoding")
-    if isinstance(enc, dict) and enc.get("name") == "default" and "configuration" not in enc:
-        doc["chunk_key_encoding"] = {**enc, "configuration": {"separator": "/"}}
-    codecs = doc.get("codecs")
-    if not (isinstance(codecs, list) and len(codecs) == 1 and isinstance(codecs[0], dict)):
-        return
-    cfg = codecs[0].get("configuration")
-    if not isinstance(cfg, dict):
-        return
-    cfg = {"index_location": "end", **cfg}
-    inner = cfg.get("codecs")
-    if itemsize == 1 and isinstance(inner, list) and inner and inner[0] == {"name": "bytes"}:
-        cfg["codecs"] = [{"name": "bytes", "configuration": {"endian": "little"}}, *inner[1:]]
-    doc["codecs"] = [{**codecs[0], "configuration": cfg}]
-
-
-def _same(a: object, b: object, numbers: bool = False) -> bool:
-    """JSON equality that tells true from 1, and (unless ``numbers``) 1 from 1.0."""
-    if isinstance(a, dict) and isinstance(b, dict):
-        return a.keys() == b.keys() and all(_same(a[k], b[k], numbers) for k in a)
-    if isinstance(a, list) and isinstance(b, list):
-        return len(a) == len(b) and all(_same(x, y, numbers) for x, y in zip(a, b))
-    if numbers and type(a) in (int, float) and type(b) in (int, float):
-        return a == b
-    return type(a) is type(b) and a == b
-
-
-def _clip(v: object, limit: int = 120) -> str:
-    s = repr(v)
-    return s if len(s) <= limit else s[:limit] + "..."

@@ -1,14 +1,21 @@
-"""Small whole-object operations on a :class:`Location` through TensorStore's
-kvstore layer: read, write, list, delete, and making local writes durable."""
+"""The primitive storage operations the backends (:mod:`.backend`) and the
+commit strategies are built of: whole objects through TensorStore's kvstore
+layer (read, write, list, delete, copy), and the system calls that make
+local writes durable. :func:`list_keys`, :func:`exists` and
+:func:`delete_all` ask the location's backend (a file system lists and
+deletes directories, an object store keys). The fault-injection tests wrap
+these functions to count and fail storage operations."""
 
 from __future__ import annotations
 
 import ctypes
 import errno
 import os
+from collections.abc import Callable
 
 import tensorstore as ts
 
+from .backend import backend_for
 from .location import CONTEXT, Location
 
 _libc = ctypes.CDLL(None, use_errno=True)
@@ -34,8 +41,11 @@ def delete(loc: Location, key: str) -> None:
 
 def list_keys(loc: Location, limit: int | None = None) -> list[str]:
     """Keys under ``loc`` (relative to it), sorted; at most ``limit`` if given."""
-    if loc.is_local and not os.path.isdir(loc.path):
-        return []
+    return backend_for(loc).list(loc, limit)
+
+
+def ts_list(loc: Location, limit: int | None = None) -> list[str]:
+    """:func:`list_keys` through TensorStore (the location must exist)."""
     keys = [k.decode("utf-8", "replace") for k in _open(loc).list().result()]
     keys.sort()
     return keys[:limit] if limit is not None else keys
@@ -43,18 +53,16 @@ def list_keys(loc: Location, limit: int | None = None) -> list[str]:
 
 def exists(loc: Location) -> bool:
     """Whether anything at all is stored under ``loc``."""
-    if loc.is_local:
-        return os.path.lexists(loc.path)
-    return bool(list_keys(loc, limit=1))
+    return backend_for(loc).exists(loc)
 
 
 def delete_all(loc: Location) -> None:
-    if loc.is_local:
-        import shutil
+    backend_for(loc).delete_all(loc)
 
-        shutil.rmtree(loc.path, ignore_errors=True)
-    else:
-        _open(loc).delete_range(ts.KvStore.KeyRange()).result()
+
+def ts_delete_all(loc: Location) -> None:
+    """Delete every key under ``loc`` through TensorStore."""
+    _open(loc).delete_range(ts.KvStore.KeyRange()).result()
 
 
 def copy_all(src: Location, dst: Location, skip: tuple[str, ...] = ()) -> None:
@@ -91,22 +99,7 @@ def fsync_dir(path: str) -> None:
         os.close(fd)
 
 
-def exchange(a: str, b: str) -> bool:
-    """Atomically swap two local paths (Linux renameat2 RENAME_EXCHANGE).
-    Returns False where the system or file system does not support it."""
-    fn = getattr(_libc, "renameat2", None)
-    if fn is None:
-        return False
-    at_fdcwd, rename_exchange = -100, 2
-    return fn(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0
-
-
-def write_many(loc: Location, objects: dict[str, bytes]) -> None:
-    """Write several small objects concurrently."""
-    write_many_async(loc, objects)()
-
-
-def write_many_async(loc: Location, objects: dict[str, bytes]):
+def write_many_async(loc: Location, objects: dict[str, bytes]) -> Callable[[], None]:
     """Start writing several small objects; returns a function that waits."""
     if not objects:
         return lambda: None

@@ -2,9 +2,9 @@
 
 ``parse("runs/ckpt")``, ``parse("file:///abs/ckpt")`` and ``parse("memory://name")``
 give a :class:`Location` holding the TensorStore kvstore spec of the
-checkpoint's root. ``file`` locations commit by atomic rename; every other
-kind behaves like an object store (no rename) and commits with a marker
-written last (see :mod:`tensorckpt.storage.commit`).
+checkpoint's root. What stores a location (and how it commits) is its
+backend, :func:`tensorckpt.storage.backend.backend_for`; nothing else tests
+the scheme.
 """
 
 from __future__ import annotations
@@ -38,10 +38,6 @@ class Location:
     @property
     def url(self) -> str:
         return self.path if self.scheme == "file" else f"{self.scheme}://{self.path}"
-
-    @property
-    def is_local(self) -> bool:
-        return self.scheme == "file"
 
     def kvstore(self, sub: str = "") -> dict:
         """TensorStore kvstore spec of this location (or of ``sub`` inside it), as a directory."""

@@ -29,6 +29,7 @@ import tensorstore as ts
 
 from ..errors import CorruptCheckpointError
 from . import location
+from .backend import backend_for
 from .location import Location
 
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC
@@ -48,7 +49,8 @@ class Pin:
         self.read_loc = loc  # where objects are read from
         self.pinned = False  # whether reads cannot see another version (a directory descriptor holds it)
         self.dir_id: tuple[int, int] | None = None  # local: the directory's (st_dev, st_ino)
-        if not loc.is_local:
+        self.local = backend_for(loc).supports_rename  # a file system: a directory can be held open
+        if not self.local:
             return
         self.fd = os.open(loc.path, _DIR_FLAGS)
         st = os.fstat(self.fd)
@@ -78,13 +80,13 @@ class Pin:
         return self.read_loc.path
 
     def remember_root(self, generation: object, data: bytes | None) -> None:
-        if not self.loc.is_local or not self.pinned:
+        if not self.local or not self.pinned:
             self.identity = (generation, data)
 
     def changed(self) -> bool:
         """Whether the checkpoint at the path is no longer the version this
         pin holds (replaced, deleted, or mid-replace)."""
-        if self.loc.is_local:
+        if self.local:
             try:
                 st = os.stat(self.loc.path)
             except OSError:
@@ -108,7 +110,7 @@ class Pin:
         bytes or None if absent). Refused, without reading it, when larger than
         ``limit`` bytes, or, locally, when it or a directory above it is not a
         plain file or directory (a link, FIFO or device)."""
-        if not self.loc.is_local:
+        if not self.local:
             return read_remote(self.loc, key, limit, where)
         data = read_local(self.fd if self.fd is not None else self.loc.path, key, limit, where)
         if not self.pinned and key == "zarr.json" and self.fd is not None:

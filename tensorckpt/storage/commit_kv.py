@@ -1,0 +1,98 @@
+"""The object-store commit strategy (spec 10.3; ``memory://`` here): there
+is no rename, so a new checkpoint is written in place and its root
+``zarr.json`` is written last, only if none exists (a conditional create).
+Replacing one writes and commits the new checkpoint at the staging prefix
+first, then deletes the old, copies the new in and writes its root
+``zarr.json`` last; until then the complete new checkpoint stays at the
+staging prefix, and ``identify`` / ``clean`` name it.
+
+Like Orbax's ``CommitFileTemporaryPath``; the file-system strategy is
+:mod:`.commit_local`, the rules both share :mod:`.commit`. Used by the
+TensorStore kvstore backends (:mod:`.tskv`).
+"""
+
+from __future__ import annotations
+
+import threading
+
+from . import kv
+from .commit import (
+    ROOT_KEY,
+    STAGING_INFIX,
+    Commit,
+    _discard,
+    _is_root,
+    _nodes_and_chunks,
+    _raced,
+    _root_below,
+)
+from .location import Location
+
+_commit_lock = threading.Lock()  # memory:// stores are per process: their conditional create
+
+
+class RootLastCommit:
+    """Spec 10.3: every object first, the root ``zarr.json`` last."""
+
+    def describe_foreign(self, target: Location) -> str | None:
+        keys = kv.list_keys(target)
+        if not keys:
+            return None
+        if ROOT_KEY in keys:
+            return None if _is_root(kv.read(target, ROOT_KEY)) else "objects whose zarr.json is not a tensorckpt root"
+        # an interrupted in-place save (10.3 step 1): Zarr nodes, none of them a checkpoint root
+        below = _root_below(keys, lambda k: kv.read(target, k))
+        if not below and _nodes_and_chunks(keys):
+            return None
+        return (f"{len(keys)} object(s) that are not the leftovers of a save"
+                + (" (checkpoints below it: a CheckpointManager root)" if below else ""))
+
+    def check_name(self, target: Location) -> None:
+        return None  # keys have no length limit of a directory entry
+
+    def occupied(self, target: Location) -> str | None:
+        return None
+
+    def begin(self, target: Location, staging: Location, exists: bool) -> Commit:
+        return Commit(target, staging if exists else target, replacing=exists)
+
+    def finish(self, c: Commit, root_json: bytes) -> None:
+        if not c.staged:  # a new checkpoint in place: the root only if no other save committed one
+            with _commit_lock:
+                if kv.read(c.target, ROOT_KEY) is not None:
+                    raise _raced(c)
+                kv.write(c.write_to, ROOT_KEY, root_json)
+            return
+        kv.write(c.write_to, ROOT_KEY, root_json)
+        # replace: the new checkpoint is complete at the staging prefix
+        kv.delete(c.target, ROOT_KEY)  # the old one stops being valid before any of its data goes
+        kv.delete_all(c.target)
+        kv.copy_all(c.write_to, c.target, skip=(ROOT_KEY,))
+        kv.write(c.target, ROOT_KEY, root_json)
+        _discard(c.write_to)
+
+    def only_copy(self, c: Commit) -> bool:
+        """Whether a replace got past deleting the old checkpoint: the target
+        is not committed and the staging prefix holds the whole new one. When
+        unsure, True: keeping a copy is the safe side."""
+        if not c.staged:
+            return False
+        try:
+            return kv.read(c.target, ROOT_KEY) is None and kv.read(c.write_to, ROOT_KEY) is not None
+        except (OSError, ValueError):
+            return True
+
+    def abort(self, c: Commit) -> None:
+        if c.staged or kv.read(c.target, ROOT_KEY) is None:
+            kv.delete_all(c.write_to)
+
+    def remove(self, loc: Location, complete: bool = True, rename_first: bool = False) -> str | None:
+        if complete:
+            kv.delete(loc, ROOT_KEY)
+        kv.delete_all(loc)
+        return None
+
+    def leftovers(self, target: Location) -> list[Location]:
+        prefix = f".{target.name}{STAGING_INFIX}"
+        names = {k.split("/", 1)[0] for k in kv.list_keys(target.sibling("")) if k.startswith(prefix)}
+        return [target.sibling(n) for n in sorted(names)]
