@@ -39,6 +39,7 @@ import math
 import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import google_crc32c
 import numpy as np
@@ -49,9 +50,10 @@ from ..format.metadata import TensorEntry
 from ..layout.boxes import Box, chunk_box, chunk_ranges
 
 EMPTY = 2**64 - 1  # both fields of the index entry of an inner chunk never written
+Crc = Callable[[int, Any, int], int]  # (crc so far, an address or bytes, length) -> crc
 
 
-def _hardware_crc() -> Callable[[int, int, int], int] | None:
+def _hardware_crc() -> Crc | None:
     """google-crc32c's C function ``crc32c_extend(crc, address, length)``
     (hardware CRC-32C where the CPU has it), called on memory addresses: its
     Python API only takes ``bytes``, which would cost a copy per chunk."""
@@ -65,11 +67,11 @@ def _hardware_crc() -> Callable[[int, int, int], int] | None:
             continue
         fn = lib.crc32c_extend
         fn.restype, fn.argtypes = ctypes.c_uint32, [ctypes.c_uint32, ctypes.c_void_p, ctypes.c_size_t]
-        return fn  # type: ignore[no-any-return]
+        return fn  # type: ignore[no-any-return]  # ctypes functions are untyped
     return None
 
 
-crc32c_at = _hardware_crc()
+crc32c_at: Crc | None = _hardware_crc()
 """``crc32c_at(0, address, length)``: the CRC-32C of memory, or None where
 there is no native function (then :func:`decode_index` and
 :meth:`Reads.check` are not usable; :func:`encode` still is)."""
@@ -80,7 +82,7 @@ def crc32c(data: bytes, length: int | None = None) -> int:
     where the native function exists)."""
     n = len(data) if length is None else length
     if crc32c_at is not None:
-        return int(crc32c_at(0, data, n))  # type: ignore[arg-type]  # ctypes passes bytes as their address
+        return crc32c_at(0, data, n)  # ctypes passes bytes as their address
     return int(google_crc32c.value(data[:n]))
 
 
@@ -138,12 +140,13 @@ def encode(g: Geometry, data: np.ndarray, buf: np.ndarray) -> Iterator[memoryvie
     if len(buf) < g.encoded:
         raise ValueError(f"a buffer of {len(buf)} bytes cannot hold an inner chunk of {g.encoded}")
     inner, encoded, body = g.inner, g.encoded, g.encoded - 4
-    view, used, offset = memoryview(buf), 0, 0
-    if crc32c_at is not None:
+    view, used, offset = buf.data, 0, 0
+    native = crc32c_at
+    if native is not None:
         addr = buf.ctypes.data
 
         def crc(at: int) -> int:
-            return crc32c_at(0, addr + at, body)  # type: ignore[misc]
+            return native(0, addr + at, body)
     else:
         def crc(at: int) -> int:
             return int(google_crc32c.value(bytes(view[at:at + body])))
@@ -172,8 +175,8 @@ def encode(g: Geometry, data: np.ndarray, buf: np.ndarray) -> Iterator[memoryvie
 
 def encode_bytes(g: Geometry, data: np.ndarray) -> bytes:
     """The stored object of one chunk (as :func:`encode`) as one ``bytes``."""
-    buf = np.empty(max(g.encoded, g.count * g.encoded), np.uint8)
-    return b"".join(bytes(piece) for piece in encode(g, data, buf))
+    buf = np.empty(max(g.encoded, g.count * g.encoded), np.uint8)  # the whole object: no piece is overwritten
+    return b"".join(encode(g, data, buf))
 
 
 # ------------------------------------------------------------------ decoding
@@ -201,6 +204,7 @@ class Reads:
 
     where: str
     geometry: Geometry
+    crc: Crc  # the native CRC-32C (plan_reads refuses to plan without it)
     runs: list[tuple[int, int, int]]
     src: list[tuple[slice, ...]]
     dst: list[tuple[slice, ...]]
@@ -211,7 +215,7 @@ class Reads:
         """Check the CRC-32C of inner chunk ``k``, held in ``view`` (whose
         memory starts at address ``addr``) from byte ``at``."""
         body = self.geometry.encoded - 4
-        if crc32c_at(0, addr + at, body) != int.from_bytes(view[at + body:at + body + 4], "little"):  # type: ignore[misc]
+        if self.crc(0, addr + at, body) != int.from_bytes(view[at + body:at + body + 4], "little"):
             raise CorruptCheckpointError(
                 f"{self.where}, inner chunk {_name(self.names[k])}, fails its CRC-32C checksum: the stored data is corrupt"
             )
@@ -229,6 +233,8 @@ def plan_reads(g: Geometry, index: np.ndarray, data_end: int, pos: tuple[int, ..
     empty, each ``g.encoded`` bytes inside the data region, no two sharing a
     byte (the order they are stored in is the writer's choice: the reference
     writer's is C order, zarr-python's another)."""
+    if crc32c_at is None:
+        raise RuntimeError("reading stored objects in memory needs the native CRC-32C (google-crc32c's C build)")
     encoded = g.encoded
     shard = chunk_box(pos, g.chunk, g.shape)
     need = shard.intersect(want)
@@ -236,10 +242,11 @@ def plan_reads(g: Geometry, index: np.ndarray, data_end: int, pos: tuple[int, ..
         raise ValueError(f"chunk {pos} holds no element of {want}")
     local = Box(tuple(o - s for o, s in zip(need.offset, shard.offset)), need.shape)
     spans = chunk_ranges(local, g.inner, tuple(shard.shape))
+    linear: np.ndarray
     if g.grid:
         axes = np.meshgrid(*[np.arange(r.start, r.stop) for r in spans], indexing="ij")
         grid = np.stack(axes, -1).reshape(-1, len(g.grid))
-        linear = np.ravel_multi_index(tuple(grid.T), g.grid)
+        linear = np.asarray(np.ravel_multi_index(tuple(grid.T), g.grid))
     else:  # a 0-d tensor: one inner chunk
         grid, linear = np.zeros((1, 0), np.int64), np.zeros(1, np.int64)
     entries = index[linear]
@@ -269,7 +276,7 @@ def plan_reads(g: Geometry, index: np.ndarray, data_end: int, pos: tuple[int, ..
     src = [tuple(map(slice, a, b)) for a, b in zip((part_lo - lo).tolist(), (part_hi - lo).tolist())]
     dst = [tuple(map(slice, a, b)) for a, b in zip((part_lo - want.offset).tolist(), (part_hi - want.offset).tolist())]
     most = max((b - a) * encoded for _, a, b in runs)
-    return Reads(where, g, runs, src, dst, grid[order], most)
+    return Reads(where, g, crc32c_at, runs, src, dst, grid[order], most)
 
 
 def _check_entries(g: Geometry, entries: np.ndarray, grid: np.ndarray, data_end: int, where: str) -> None:

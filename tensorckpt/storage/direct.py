@@ -4,7 +4,9 @@ fast path of load, ``Checkpoint.read`` and save.
 Every array tensorckpt writes has the same codec chain (spec section 7):
 ``sharding_indexed`` with inner chunks ``bytes`` (little-endian) + ``crc32c``
 and the shard index (``bytes`` + ``crc32c``) at the end of each stored object.
-For a checkpoint on a local file system, a read of a box here opens each
+The encoding and every check of it are :mod:`tensorckpt.storage.codec`'s
+(pure, in memory); this module does the I/O: open, fstat, ``pread``/``preadv``,
+writes, fsync, threads and their reused buffers. For a checkpoint on a local file system, a read of a box here opens each
 stored object it overlaps, reads and checks its shard index, reads the inner
 chunks it needs with ``preadv`` into a reused buffer (contiguous ones in one
 call), checks each one's CRC-32C in hardware, and copies the wanted part
@@ -220,14 +222,14 @@ class Reader:
         g = reads.geometry
         if len(self._buf) < reads.most:
             self._buf = np.empty(reads.most, np.uint8)
-        buf, addr, view = self._buf, self._buf.ctypes.data, memoryview(self._buf)
+        buf, addr, view = self._buf, self._buf.ctypes.data, self._buf.data
+        check, src, to, encoded = reads.check, reads.src, reads.dst, g.encoded
         for first, a, b in reads.runs:
-            nbytes = (b - a) * g.encoded
+            nbytes = (b - a) * encoded
             got = os.preadv(fd, [view[:nbytes]], first)
             if got != nbytes:
                 raise reads.short(got, nbytes)
             for k in range(a, b):
-                at = (k - a) * g.encoded
-                reads.check(k, view, addr, at)
-                block = np.frombuffer(buf, g.dtype, count=g.numel, offset=at).reshape(g.inner)
-                dst[reads.dst[k]] = block[reads.src[k]]
+                at = (k - a) * encoded
+                check(k, view, addr, at)
+                dst[to[k]] = np.frombuffer(buf, g.dtype, count=g.numel, offset=at).reshape(g.inner)[src[k]]
