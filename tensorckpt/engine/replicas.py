@@ -24,7 +24,7 @@ import torch
 
 from ..errors import IncompatibleStateError, UnsupportedValueError
 from ..format import dtypes
-from ..storage import direct
+from ..storage import codec
 
 try:  # FSDP1's flat parameter (torch builds without distributed lack it)
     from torch.distributed.fsdp._flat_param import FlatParameter
@@ -80,8 +80,8 @@ def digest(t: torch.Tensor) -> int:
     n = t.numel() * t.element_size()
     if n == 0:
         return 0
-    if direct._crc32c is not None:
-        return int(direct._crc32c(0, t.data_ptr(), n))
+    if codec.crc32c_at is not None:
+        return int(codec.crc32c_at(0, t.data_ptr(), n))
     return zlib.crc32(np.ascontiguousarray(dtypes.to_numpy(t)).view(np.uint8).data)  # pragma: no cover
 
 

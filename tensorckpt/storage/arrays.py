@@ -6,10 +6,8 @@ from __future__ import annotations
 
 import functools
 import math
-import struct
 import sys
 
-import google_crc32c
 import numpy as np
 import tensorstore as ts
 
@@ -17,10 +15,10 @@ from ..format import dtypes
 from ..format.arrays import zarr_metadata
 from ..format.metadata import TensorEntry, dumps
 from ..layout.boxes import Box
+from . import codec
 from .location import CONTEXT, SYNC_CONTEXT, Location
 
 SYNC_OBJECT_BYTES = 4 << 20  # stored objects from this size on are synced as they are written
-
 
 
 def _spec(loc: Location, key: str) -> dict:
@@ -63,14 +61,7 @@ def object_bytes_bounds(entry: TensorEntry, pos: tuple[int, ...]) -> tuple[int, 
     encoded (elements + CRC-32C), then the index (16 bytes per inner chunk of
     the shard, then a CRC-32C); at most every inner chunk of the shard. A
     reader refuses an object outside these bounds before reading it."""
-    itemsize = dtypes.BY_TORCH[entry.dtype].itemsize
-    encoded = math.prod(entry.inner_chunk_shape) * itemsize + 4
-    per = math.prod(c // i for c, i in zip(entry.chunk_shape, entry.inner_chunk_shape))
-    touching = 1
-    for p, c, i, s in zip(pos, entry.chunk_shape, entry.inner_chunk_shape, entry.shape):
-        touching *= -(-(min(p * c + c, s) - p * c) // i)
-    index = 16 * per + 4
-    return touching * encoded + index, per * encoded + index
+    return codec.geometry(entry).bounds(pos)
 
 
 # ----------------------------------------------------------------- small arrays
@@ -105,12 +96,6 @@ def encode_whole_chunk(entry: TensorEntry, data: np.ndarray) -> bytes:
     """The stored object of one chunk that is one inner chunk: the chunk (data
     padded with the zero fill value to the chunk shape) in C order,
     little-endian, then its CRC-32C; then the shard index (offset 0, length)
-    and the index's CRC-32C (spec section "Arrays")."""
-    if data.shape != tuple(entry.chunk_shape):
-        full = np.zeros(entry.chunk_shape, dtype=data.dtype)
-        full[tuple(slice(0, n) for n in data.shape)] = data
-        data = full
-    raw = np.ascontiguousarray(data).tobytes()
-    chunk = raw + struct.pack("<I", google_crc32c.value(raw))
-    index = struct.pack("<QQ", 0, len(chunk))
-    return chunk + index + struct.pack("<I", google_crc32c.value(index))
+    and the index's CRC-32C (spec section "Arrays"; :mod:`.codec`)."""
+    return codec.encode_bytes(codec.geometry(entry), data)
+

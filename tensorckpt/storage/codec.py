@@ -1,0 +1,303 @@
+"""The codec of every stored object, in memory: ``sharding_indexed`` with
+inner chunks ``bytes`` (little-endian) + ``crc32c`` and the shard index
+(``bytes`` + ``crc32c``) at the end (spec section 7, "Arrays").
+
+Pure: no file I/O. :mod:`tensorckpt.storage.direct` (the local fast path:
+open, ``preadv``, writes, fsync, threads, buffers) and
+:func:`tensorckpt.storage.arrays.encode_whole_chunk` (small objects written
+through the kvstore) call it; the bytes are TensorStore's
+(tests/test_direct.py, tests/test_small_writes.py compare them).
+
+- :func:`geometry` -- the layout of one array's stored objects, a frozen
+  :class:`Geometry` built once per :class:`TensorEntry`.
+- :func:`encode` / :func:`encode_bytes` -- one stored object from a chunk's
+  elements: inner chunk by inner chunk in C order (elements, then their
+  CRC-32C), the index last; into a caller's reused buffer, piece by piece,
+  or as one ``bytes``.
+- :func:`decode_index` -- a shard index checked (size, CRC-32C);
+  :func:`plan_reads` -- the inner chunks of one object that a wanted box
+  needs, their index entries checked (the empty marker, length == the
+  encoded size, inside the data region, no two overlapping), in file order,
+  grouped into contiguous reads; :meth:`Reads.check` -- one inner chunk's
+  CRC-32C.
+
+It lives in ``storage/`` rather than ``format/`` because it is the byte
+encoding the storage layer writes and reads, uses the layout's box math and
+the native CRC-32C library, and ``format/`` imports nothing but itself.
+Errors are :class:`CorruptCheckpointError` naming the object (``where``,
+given by the caller: "URL/key/c/i/j: tensor 'k', chunk (i, j)") and the
+inner chunk.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import glob
+import itertools
+import math
+import os
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import google_crc32c
+import numpy as np
+
+from ..errors import CorruptCheckpointError
+from ..format import dtypes
+from ..format.metadata import TensorEntry
+from ..layout.boxes import Box, chunk_box, chunk_ranges
+
+EMPTY = 2**64 - 1  # both fields of the index entry of an inner chunk never written
+Crc = Callable[[int, Any, int], int]  # (crc so far, an address or bytes, length) -> crc
+
+
+def _hardware_crc() -> Crc | None:
+    """google-crc32c's C function ``crc32c_extend(crc, address, length)``
+    (hardware CRC-32C where the CPU has it), called on memory addresses: its
+    Python API only takes ``bytes``, which would cost a copy per chunk."""
+    if google_crc32c.implementation != "c":
+        return None
+    libs = os.path.join(os.path.dirname(os.path.dirname(google_crc32c.__file__)), "google_crc32c.libs")
+    for candidate in sorted(glob.glob(os.path.join(libs, "libcrc32c*.so*"))) + ["libcrc32c.so.1"]:
+        try:
+            lib = ctypes.CDLL(candidate)
+        except OSError:
+            continue
+        fn = lib.crc32c_extend
+        fn.restype, fn.argtypes = ctypes.c_uint32, [ctypes.c_uint32, ctypes.c_void_p, ctypes.c_size_t]
+        return fn  # type: ignore[no-any-return]  # ctypes functions are untyped
+    return None
+
+
+crc32c_at: Crc | None = _hardware_crc()
+"""``crc32c_at(0, address, length)``: the CRC-32C of memory, or None where
+there is no native function (then :func:`decode_index` and
+:meth:`Reads.check` are not usable; :func:`encode` still is)."""
+
+
+def crc32c(data: bytes, length: int | None = None) -> int:
+    """The CRC-32C of ``data`` (of its first ``length`` bytes, without a copy
+    where the native function exists)."""
+    n = len(data) if length is None else length
+    if crc32c_at is not None:
+        return crc32c_at(0, data, n)  # ctypes passes bytes as their address
+    return int(google_crc32c.value(data[:n]))
+
+
+# ------------------------------------------------------------------ geometry
+
+
+@dataclass(frozen=True)
+class Geometry:
+    """The layout of an array's stored objects (one per chunk)."""
+
+    shape: tuple[int, ...]  # the array's
+    chunk: tuple[int, ...]  # one stored object's (a shard)
+    inner: tuple[int, ...]  # one inner chunk's
+    grid: tuple[int, ...]  # inner chunks per object along each dimension
+    count: int  # inner chunks per object
+    dtype: np.dtype  # of the elements (the host's order: callers run on little-endian hosts)
+    numel: int  # elements of one inner chunk
+    encoded: int  # bytes of one encoded inner chunk: its elements, then a CRC-32C
+    index_bytes: int  # bytes of the index: 16 per inner chunk, then a CRC-32C
+
+    def bounds(self, pos: tuple[int, ...]) -> tuple[int, int]:
+        """The least and the most bytes the object at grid position ``pos``
+        can hold: every inner chunk that intersects the array, then the
+        index; at most every inner chunk of the shard."""
+        touching = 1
+        for p, c, i, s in zip(pos, self.chunk, self.inner, self.shape):
+            touching *= -(-(min(p * c + c, s) - p * c) // i)
+        return touching * self.encoded + self.index_bytes, self.count * self.encoded + self.index_bytes
+
+
+@functools.lru_cache(maxsize=1 << 12)
+def geometry(entry: TensorEntry) -> Geometry:
+    """The :class:`Geometry` of ``entry``'s array (cached: entries are immutable)."""
+    d = dtypes.BY_TORCH[entry.dtype]
+    grid = tuple(c // i for c, i in zip(entry.chunk_shape, entry.inner_chunk_shape))
+    numel, count = math.prod(entry.inner_chunk_shape), math.prod(grid)
+    return Geometry(
+        tuple(entry.shape), tuple(entry.chunk_shape), tuple(entry.inner_chunk_shape), grid, count,
+        d.numpy, numel, numel * d.itemsize + 4, 16 * count + 4,
+    )
+
+
+# ------------------------------------------------------------------ encoding
+
+
+def encode(g: Geometry, data: np.ndarray, buf: np.ndarray) -> Iterator[memoryview]:
+    """The stored object of one chunk, as views of ``buf`` (a uint8 array of
+    at least ``g.encoded`` bytes; each view is valid until the next one is
+    asked for), the index last. ``data`` holds the chunk's elements: its box
+    clipped to the array, any strides. Inner chunks wholly outside the array
+    are not stored (their index entry is empty); the rest of an edge inner
+    chunk is the zero fill value."""
+    if data.ndim != len(g.chunk) or any(n > c for n, c in zip(data.shape, g.chunk)):
+        raise ValueError(f"a chunk of shape {g.chunk} cannot hold elements of shape {data.shape}")
+    if len(buf) < g.encoded:
+        raise ValueError(f"a buffer of {len(buf)} bytes cannot hold an inner chunk of {g.encoded}")
+    inner, encoded, body = g.inner, g.encoded, g.encoded - 4
+    view, used, offset = buf.data, 0, 0
+    native = crc32c_at
+    if native is not None:
+        addr = buf.ctypes.data
+
+        def crc(at: int) -> int:
+            return native(0, addr + at, body)
+    else:
+        def crc(at: int) -> int:
+            return int(google_crc32c.value(bytes(view[at:at + body])))
+
+    index = np.full((g.count, 2), EMPTY, "<u8")
+    for j, which in enumerate(np.ndindex(*g.grid)):
+        lo = tuple(w * i for w, i in zip(which, inner))  # inside the chunk
+        if any(l >= n for l, n in zip(lo, data.shape)):
+            continue  # wholly outside the array: not stored, marked empty
+        size = tuple(min(i, n - l) for i, n, l in zip(inner, data.shape, lo))
+        block = np.frombuffer(buf, g.dtype, count=g.numel, offset=used).reshape(inner)
+        if size != inner:
+            block.fill(0)  # the edge: elements outside the array are the zero fill value
+        block[tuple(slice(0, n) for n in size)] = data[tuple(slice(l, l + n) for l, n in zip(lo, size))]
+        view[used + body:used + encoded] = crc(used).to_bytes(4, "little")
+        index[j] = (offset, encoded)
+        used, offset = used + encoded, offset + encoded
+        if used + encoded > len(buf):
+            yield view[:used]
+            used = 0
+    if used:
+        yield view[:used]
+    raw = index.tobytes()
+    yield memoryview(raw + crc32c(raw).to_bytes(4, "little"))
+
+
+def encode_bytes(g: Geometry, data: np.ndarray) -> bytes:
+    """The stored object of one chunk (as :func:`encode`) as one ``bytes``."""
+    buf = np.empty(max(g.encoded, g.count * g.encoded), np.uint8)  # the whole object: no piece is overwritten
+    return b"".join(encode(g, data, buf))
+
+
+# ------------------------------------------------------------------ decoding
+
+
+def decode_index(g: Geometry, raw: bytes, where: str) -> np.ndarray:
+    """The index of a stored object (``raw``: its last ``g.index_bytes``
+    bytes) as ``(count, 2)`` uint64 (offset, length) rows, its CRC-32C checked."""
+    if len(raw) != g.index_bytes:
+        raise CorruptCheckpointError(f"{where}, is malformed (truncated or damaged): the shard index is cut short")
+    if crc32c(raw, len(raw) - 4) != int.from_bytes(raw[-4:], "little"):
+        raise CorruptCheckpointError(f"{where}, shard index fails its CRC-32C checksum: the stored data is corrupt")
+    return np.frombuffer(raw, "<u8", count=2 * g.count).reshape(g.count, 2)
+
+
+@dataclass(frozen=True)
+class Reads:
+    """The inner chunks of one stored object that a read needs, in file
+    order (``k`` counts them), their index entries checked. ``runs`` are
+    ``(file offset, first k, end k)``: inner chunks stored back to back, at
+    most ``per_buf`` of them, read in one call into a buffer that then holds
+    inner chunk ``k`` at ``(k - first) * geometry.encoded``; ``src[k]``
+    slices its part of the wanted box from the decoded inner chunk,
+    ``dst[k]`` that part's place in the destination."""
+
+    where: str
+    geometry: Geometry
+    crc: Crc  # the native CRC-32C (plan_reads refuses to plan without it)
+    runs: list[tuple[int, int, int]]
+    src: list[tuple[slice, ...]]
+    dst: list[tuple[slice, ...]]
+    names: np.ndarray  # grid position of inner chunk k, for messages
+    most: int  # the largest run, in bytes
+
+    def check(self, k: int, view: memoryview, addr: int, at: int) -> None:
+        """Check the CRC-32C of inner chunk ``k``, held in ``view`` (whose
+        memory starts at address ``addr``) from byte ``at``."""
+        body = self.geometry.encoded - 4
+        if self.crc(0, addr + at, body) != int.from_bytes(view[at + body:at + body + 4], "little"):
+            raise CorruptCheckpointError(
+                f"{self.where}, inner chunk {_name(self.names[k])}, fails its CRC-32C checksum: the stored data is corrupt"
+            )
+
+    def short(self, got: int, nbytes: int) -> CorruptCheckpointError:
+        """The error for a read of ``nbytes`` that returned ``got``."""
+        return CorruptCheckpointError(f"{self.where}, is malformed (truncated or damaged): {got} of {nbytes} bytes read")
+
+
+def plan_reads(g: Geometry, index: np.ndarray, data_end: int, pos: tuple[int, ...], want: Box,
+               per_buf: int, where: str) -> Reads:
+    """The :class:`Reads` of the object at grid position ``pos`` (its data
+    region: the first ``data_end`` bytes) for the part of ``want`` inside it,
+    after checking the index entries of exactly those inner chunks: none
+    empty, each ``g.encoded`` bytes inside the data region, no two sharing a
+    byte (the order they are stored in is the writer's choice: the reference
+    writer's is C order, zarr-python's another)."""
+    if crc32c_at is None:
+        raise RuntimeError("reading stored objects in memory needs the native CRC-32C (google-crc32c's C build)")
+    encoded = g.encoded
+    shard = chunk_box(pos, g.chunk, g.shape)
+    need = shard.intersect(want)
+    if need is None:
+        raise ValueError(f"chunk {pos} holds no element of {want}")
+    local = Box(tuple(o - s for o, s in zip(need.offset, shard.offset)), need.shape)
+    spans = chunk_ranges(local, g.inner, tuple(shard.shape))
+    linear: np.ndarray
+    if g.grid:
+        axes = np.meshgrid(*[np.arange(r.start, r.stop) for r in spans], indexing="ij")
+        grid = np.stack(axes, -1).reshape(-1, len(g.grid))
+        linear = np.asarray(np.ravel_multi_index(tuple(grid.T), g.grid))
+    else:  # a 0-d tensor: one inner chunk
+        grid, linear = np.zeros((1, 0), np.int64), np.zeros(1, np.int64)
+    entries = index[linear]
+    _check_entries(g, entries, grid, data_end, where)
+    order = np.argsort(entries[:, 0], kind="stable")
+    offsets = entries[order, 0].astype(np.int64)
+    if len(offsets) > 1 and (np.diff(offsets) < encoded).any():
+        j = int(np.argmax(np.diff(offsets) < encoded))
+        raise CorruptCheckpointError(
+            f"{where}, inner chunks {_name(grid[order[j]])} and {_name(grid[order[j + 1]])}, are malformed "
+            f"(damaged or forged): their index entries (offsets {int(offsets[j])} and {int(offsets[j + 1])}, "
+            f"{encoded} bytes each) overlap; a writer stores each inner chunk in bytes of its own"
+        )
+    # runs of inner chunks stored back to back, each at most one buffer
+    starts = [0]
+    for b in (np.flatnonzero(np.diff(offsets) != encoded) + 1).tolist() + [len(offsets)]:
+        while b - starts[-1] > per_buf:
+            starts.append(starts[-1] + per_buf)
+        starts.append(b)
+    starts = sorted(set(starts))
+    runs = [(int(offsets[a]), a, b) for a, b in itertools.pairwise(starts)]
+    # in file order: each inner chunk's part of ``want``, in the inner chunk's and in dst's coordinates
+    inner = np.asarray(g.inner, np.int64)
+    lo = np.asarray(shard.offset, np.int64) + grid[order] * inner
+    part_lo = np.maximum(lo, np.asarray(want.offset, np.int64))
+    part_hi = np.minimum(np.minimum(lo + inner, np.asarray(g.shape, np.int64)), np.asarray(want.end, np.int64))
+    src = [tuple(map(slice, a, b)) for a, b in zip((part_lo - lo).tolist(), (part_hi - lo).tolist())]
+    dst = [tuple(map(slice, a, b)) for a, b in zip((part_lo - want.offset).tolist(), (part_hi - want.offset).tolist())]
+    most = max((b - a) * encoded for _, a, b in runs)
+    return Reads(where, g, crc32c_at, runs, src, dst, grid[order], most)
+
+
+def _check_entries(g: Geometry, entries: np.ndarray, grid: np.ndarray, data_end: int, where: str) -> None:
+    """Refuse the first index entry (row ``j`` of ``entries``, the inner chunk
+    at ``grid[j]``) that is empty, of another length than ``g.encoded``, or
+    not inside the first ``data_end`` bytes."""
+    encoded = g.encoded
+    missing = (entries[:, 0] == EMPTY) & (entries[:, 1] == EMPTY)
+    bad = ~missing & ((entries[:, 1] != encoded) | (entries[:, 0] > max(data_end - encoded, -1)))
+    if not (missing.any() or bad.any() or data_end < encoded):
+        return
+    j = int(np.argmax(missing | bad)) if (missing.any() or bad.any()) else 0
+    which = _name(grid[j])
+    if missing[j]:
+        raise CorruptCheckpointError(f"{where}, inner chunk {which}, is missing (never written)")
+    raise CorruptCheckpointError(
+        f"{where}, inner chunk {which}, is malformed (truncated or damaged): index entry "
+        f"offset {int(entries[j, 0])}, length {int(entries[j, 1])}, where {encoded} bytes inside the "
+        f"first {max(data_end, 0)} are expected"
+    )
+
+
+def _name(pos: np.ndarray) -> str:
+    return "(" + ", ".join(str(int(x)) for x in pos) + ")"
