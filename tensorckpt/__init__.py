@@ -19,7 +19,7 @@ from .adapters.rng import rng_state
 from .adapters.sharded import ShardedTensor
 from .checkpoint import Checkpoint, CheckpointMetadata, TensorInfo
 from .data import ResumableSampler
-from .engine.async_save import SaveHandle, async_save
+from .engine.async_save import AsyncSaver, SaveHandle, async_save
 from .engine.load import LoadStats, load
 from .engine.save import SaveStats, save
 from .errors import (
@@ -54,7 +54,7 @@ def open(path) -> Checkpoint:  # noqa: A001 - the public name the API promises
 
 
 __all__ = [
-    "save", "async_save", "SaveHandle", "load", "open", "ShardedTensor", "LoadStats", "SaveStats", "shift_layers", "stage_offset", "Checkpoint", "CheckpointMetadata", "TensorInfo", "FORMAT_VERSION",
+    "save", "async_save", "AsyncSaver", "SaveHandle", "load", "open", "ShardedTensor", "LoadStats", "SaveStats", "shift_layers", "stage_offset", "Checkpoint", "CheckpointMetadata", "TensorInfo", "FORMAT_VERSION",
     "TensorckptError", "CheckpointNotFoundError", "CheckpointExistsError", "CheckpointChangedError", "CheckpointPermissionError", "NotACheckpointError", "IncompleteCheckpointError",
     "UnsupportedVersionError", "CorruptCheckpointError", "IncompatibleStateError",
     "UnsupportedValueError", "InvalidPathError", "InvalidIndexError",

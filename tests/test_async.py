@@ -4,6 +4,7 @@ and the per-phase statistics kept with the checkpoint."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import os
 import subprocess
@@ -110,7 +111,7 @@ def test_background_failure_surfaces_on_handle_and_next_call(tmp_path):
     tensorckpt.save({"x": torch.ones(2)}, tmp_path / "c")
     h = tensorckpt.async_save(_state(), tmp_path / "c")  # exists, no overwrite: fails in the background
     while not h.done():
-        h._done.wait(0.01)  # wait without looking at the outcome
+        concurrent.futures.wait([h.future], 0.01)  # wait without looking at the outcome
     with pytest.raises(tensorckpt.TensorckptError, match="previous async save .* failed") as info:
         tensorckpt.async_save(_state(), tmp_path / "d")
     assert isinstance(info.value.__cause__, tensorckpt.CheckpointExistsError)

@@ -22,6 +22,16 @@ import torch.distributed as dist
 from .. import errors
 
 
+def group_key(process_group: object | None) -> object | None:
+    """The group object ``process_group`` stands for, to key per-group state
+    by (the object itself, never its ``id``, which a later group may reuse):
+    ``process_group``, or for None the default group once torch.distributed is
+    initialized, else None (a single process)."""
+    if process_group is None and dist.is_available() and dist.is_initialized():
+        return dist.group.WORLD
+    return process_group
+
+
 class Group:
     def __init__(self, process_group=None) -> None:
         initialized = dist.is_available() and dist.is_initialized()

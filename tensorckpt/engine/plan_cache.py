@@ -24,9 +24,8 @@ import weakref
 from collections.abc import Mapping
 from typing import Any
 
-import torch.distributed as dist
-
 from ..layout.plan import LocalPlan, SavePlan
+from .group import group_key
 
 Key = tuple  # (group size, shard_bytes, inner_chunk_bytes): one entry per chunking choice
 
@@ -87,9 +86,7 @@ _SINGLE = PlanCache()  # torch.distributed not initialized: one process, no grou
 def for_group(process_group: object | None) -> PlanCache:
     """The plan cache of synchronous saves over ``process_group`` (None: the
     default group, or no group when torch.distributed is not initialized)."""
-    pg = process_group
-    if pg is None and dist.is_available() and dist.is_initialized():
-        pg = dist.group.WORLD
+    pg = group_key(process_group)
     if pg is None:
         return _SINGLE
     cache = _BY_GROUP.get(pg)
