@@ -184,9 +184,11 @@ class AsyncSaver:
         if _DEFAULT.get(group_key(self.process_group)) is self:
             del _DEFAULT[group_key(self.process_group)]
         handle, self._handle = self._handle, None
-        self._pool.clear()
-        self._plans.clear()
-        error = handle._unobserved_error() if handle is not None else None
+        try:
+            error = handle._unobserved_error() if handle is not None else None  # waits for it
+        finally:
+            self._pool.clear()
+            self._plans.clear()
         if error is not None:
             raise TensorckptError(f"the async save to {handle.path} failed: {error}") from error
 
