@@ -138,7 +138,7 @@ class Group:
                 "what this rank could clean up is removed: restart the job and retry") from e
 
     def _collective(self, local, reduce, what: str, on_failure) -> Any:
-        mine, exc = _attempt(local) if local is not None else (None, None)
+        mine, exc = attempt(local) if local is not None else (None, None)
         mine_failure = None if exc is None else Failure.of(self.rank, exc)
         if reduce is None:
             everyone = self.all_gather((mine, mine_failure))
@@ -151,7 +151,7 @@ class Group:
                 failures = [f for _, f in gathered if f is not None] if gathered is not None else []
                 result = None
                 if not failures:
-                    result, e = _attempt(reduce, [r for r, _ in gathered] if gathered is not None else [])
+                    result, e = attempt(reduce, [r for r, _ in gathered] if gathered is not None else [])
                     if e is not None:
                         exc = exc or e
                         failures = [Failure.of(0, e)._replace(gathered=True)]
@@ -182,7 +182,9 @@ class Failure(NamedTuple):
         return cls(rank, type(e).__name__, str(e))
 
 
-def _attempt(fn: Callable, *args) -> tuple[Any, BaseException | None]:
+def attempt(fn: Callable, *args: Any) -> tuple[Any, BaseException | None]:
+    """``(fn(*args), None)``, or ``(None, the exception)``: a local step whose
+    failure is handed to the next collective instead of raised."""
     try:
         return fn(*args), None
     except Exception as e:  # noqa: BLE001 - shipped to every rank as a Failure

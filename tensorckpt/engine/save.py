@@ -47,7 +47,7 @@ from ..layout.boxes import Box, chunk_box, read_plan
 from ..layout.plan import LocalItem, LocalPlan, SavePlan, build_save_plan, merge_values, plan_bytes
 from ..storage import arrays, commit, direct, kv, location
 from . import plan_cache
-from .group import Group, _attempt
+from .group import Group, attempt
 from .replicas import check_not_flat, check_replicas, digests_of
 
 _GROUP_JSON = dumps({"zarr_format": 3, "node_type": "group", "attributes": {}})
@@ -281,10 +281,10 @@ def _exchange(state: Mapping, plan: SavePlan, g: Group) -> tuple[dict, BaseExcep
         send_sizes[p.dst] += _nbytes(plan, p)
     for p in recvs:
         recv_sizes[p.src] += _nbytes(plan, p)
-    data, err = _attempt(_pack, state, sends)
+    data, err = attempt(_pack, state, sends)
     if err is not None:
         data = torch.zeros(sum(send_sizes), dtype=torch.uint8)
-    got, e = _attempt(g.all_to_all, data, send_sizes, recv_sizes)
+    got, e = attempt(g.all_to_all, data, send_sizes, recv_sizes)
     if err is not None or e is not None:
         return {}, err or e
     received: dict[str, list] = {}
