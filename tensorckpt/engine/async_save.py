@@ -189,7 +189,7 @@ class AsyncSaver:
         finally:
             self._pool.clear()
             self._plans.clear()
-        if error is not None:
+        if handle is not None and error is not None:
             raise TensorckptError(f"the async save to {handle.path} failed: {error}") from error
 
     def __enter__(self) -> AsyncSaver:

@@ -33,7 +33,12 @@ def group_key(process_group: object | None) -> object | None:
 
 
 class Group:
-    def __init__(self, process_group=None) -> None:
+    """A process group as save and load use it (None: the default group; a
+    single process when torch.distributed is not initialized): its rank and
+    size, the collectives below, and :meth:`collective`, the one way a step
+    that may fail on some ranks runs."""
+
+    def __init__(self, process_group: Any = None) -> None:
         initialized = dist.is_available() and dist.is_initialized()
         if process_group is not None and not initialized:
             raise errors.TensorckptError("process_group given but torch.distributed is not initialized")
@@ -45,7 +50,7 @@ class Group:
     def _global(self, group_rank: int) -> int:
         return dist.get_global_rank(self.pg, group_rank) if self.pg is not None else group_rank
 
-    def gather(self, obj) -> list | None:
+    def gather(self, obj: Any) -> list | None:
         """Everyone's ``obj`` on rank 0 (None elsewhere)."""
         if not self.distributed:
             return [obj]
@@ -53,7 +58,7 @@ class Group:
         dist.gather_object(obj, out, dst=self._global(0), group=self.pg)
         return out
 
-    def broadcast(self, obj):
+    def broadcast(self, obj: Any) -> Any:
         """Rank 0's ``obj`` on every rank."""
         if not self.distributed:
             return obj
@@ -91,7 +96,7 @@ class Group:
             )
         return torch.device(kind.type, getattr(torch, kind.type).current_device())
 
-    def all_gather(self, obj) -> list:
+    def all_gather(self, obj: Any) -> list:
         if not self.distributed:
             return [obj]
         out = [None] * self.size
@@ -137,7 +142,8 @@ class Group:
                 f"{str(e).splitlines()[0] if str(e) else type(e).__name__}); nothing was committed by this call and "
                 "what this rank could clean up is removed: restart the job and retry") from e
 
-    def _collective(self, local, reduce, what: str, on_failure) -> Any:
+    def _collective(self, local: Callable[[], Any] | None, reduce: Callable[[list], Any] | None, what: str,
+                    on_failure: Callable[[], None] | None) -> Any:
         mine, exc = attempt(local) if local is not None else (None, None)
         mine_failure = None if exc is None else Failure.of(self.rank, exc)
         if reduce is None:
