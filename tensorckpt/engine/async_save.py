@@ -155,7 +155,7 @@ class AsyncSaver:
         self.process_group = process_group
         self._g = Group(process_group)
         self._bg: Group | None = None  # created by the first save (a collective)
-        if background_group is not None:
+        if background_group is not None and self._g.distributed:  # checked now, not at the first save
             self._bg = _background_group(self._g, background_group)
         self._pool: dict[str, torch.Tensor] = {}  # staging buffers by key
         self._plans = PlanCache()  # the plan cache of saves over the background group
@@ -353,7 +353,7 @@ def _stage(state: Mapping, pool: dict[str, torch.Tensor], stats: SaveStats, dist
 def _background_group(g: Group, given: Any) -> Group:
     """A gloo group over the same ranks, for the background thread's
     collectives, so they never interleave with training's on ``g``. Over the
-    whole world it is created here, once, by every process (``new_group``'s
+    whole world it is created here by every process, once per saver (``new_group``'s
     rule); for a subgroup the caller passes one (``background_group``):
     creating it with ``use_local_synchronization`` hangs in torch 2.13 once
     other groups exist."""
