@@ -20,12 +20,9 @@ def _fresh_save_plan_cache():
     # leave a wrong plan in tensorckpt's per-process save-plan cache (see
     # tests/test_errors.py::test_failed_save_does_not_affect_the_next_save),
     # start every test with an empty one.
-    from tensorckpt.engine import save as save_module
+    from tensorckpt.engine import plan_cache
 
-    for name in ("_LAST_LAYOUT", "_PLAN_CACHE"):
-        cache = getattr(save_module, name, None)
-        if isinstance(cache, dict):
-            cache.clear()
+    plan_cache.clear()
 
 
 class TestTensorckpt(ConformanceSuite):

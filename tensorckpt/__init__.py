@@ -23,7 +23,7 @@ from .adapters.sharded import ShardedTensor
 from .checkpoint import Checkpoint, CheckpointMetadata, TensorInfo
 from .clean import CleanReport, clean
 from .data import ResumableSampler
-from .engine.async_save import SaveHandle, async_save
+from .engine.async_save import AsyncSaver, SaveHandle, async_save
 from .engine.load import LoadStats, load
 from .engine.save import SaveStats, save
 from .errors import (
@@ -55,7 +55,7 @@ def open(path: str | os.PathLike[str]) -> Checkpoint:  # noqa: A001 - the public
 
 
 __all__ = [
-    "save", "async_save", "SaveHandle", "load", "open", "ShardedTensor", "LoadStats", "SaveStats",
+    "save", "async_save", "AsyncSaver", "SaveHandle", "load", "open", "ShardedTensor", "LoadStats", "SaveStats",
     "shift_layers", "stage_offset", "Checkpoint", "CheckpointMetadata", "TensorInfo", "FORMAT_VERSION",
     "TensorckptError", "CheckpointNotFoundError", "CheckpointExistsError", "CheckpointChangedError",
     "CheckpointPermissionError", "NotACheckpointError", "IncompleteCheckpointError",

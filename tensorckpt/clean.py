@@ -14,6 +14,11 @@ behind, by the rule of spec section 10.5:
   leftover is not one: it is left alone, and nothing is ever deleted
   through a link (spec 10.5 rule 7). ``removed`` reports what really happened: a
   removal that failed is reported as kept, with the error.
+
+The pieces of the rule are public for ``CheckpointManager``, which applies it
+to step directories: :func:`has_root` (is a location a whole checkpoint),
+:func:`age_of` (seconds since anything under it changed) and
+:func:`too_young` (why a leftover of that age must stay).
 """
 
 from __future__ import annotations
@@ -65,36 +70,36 @@ def clean(path, *, older_than: float = DEFAULT_OLDER_THAN, dry_run: bool = False
 
 
 def _clean(target: location.Location, older_than: float, dry_run: bool) -> CleanReport:
-    committed = _has_root(target)
+    committed = has_root(target)
     report = CleanReport(target.url, committed, dry_run)
     staging = commit.leftovers(target)
     foreign = {s: _foreign(s) for s in staging}
-    ages = {s: _age(s) for s in staging if foreign[s] is None}
+    ages = {s: age_of(s) for s in staging if foreign[s] is None}
     for s in staging:
         why = foreign[s]
         if why is not None:
             report.leftovers.append(Leftover(s.url, None, False, False, why))
             continue
-        complete = _has_root(s)
+        complete = has_root(s)
         if complete and not committed:
             keep = "a complete checkpoint, and the only one: move it into place to recover it (spec 10.5)"
         else:
-            keep = _too_young(ages[s], older_than)
+            keep = too_young(ages[s], older_than)
         gone = "the old checkpoint of a finished replace" if complete else "the data of an interrupted save"
         _settle(report, s, ages[s], complete, keep, gone)
     if not committed and kv.exists(target):
-        age = _age(target)
+        age = age_of(target)
         if backend_for(target).supports_rename:
             keep = "not left by a save (local saves write only under staging names): delete it yourself if unwanted"
-        elif any(_too_young(a, older_than) for a in ages.values()):
+        elif any(too_young(a, older_than) for a in ages.values()):
             keep = "a save may be replacing it: one of its staging locations is recent or of unknown age"
         else:
-            keep = _too_young(age, older_than)
+            keep = too_young(age, older_than)
         _settle(report, target, age, False, keep, "an object-store save interrupted before its commit", target=True)
     return report
 
 
-def _too_young(age: float | None, older_than: float) -> str | None:
+def too_young(age: float | None, older_than: float) -> str | None:
     """Why a leftover of this age must stay (None: it may go)."""
     if age is None and older_than > 0:
         return "its age is unknown (the store keeps no times); pass older_than=0 once no save to this path runs"
@@ -107,7 +112,7 @@ def _settle(report: CleanReport, loc: location.Location, age: float | None, comp
             gone: str, target: bool = False) -> None:
     """Remove ``loc`` unless there is a reason to ``keep`` it, and report it."""
     if keep is None and not report.dry_run:
-        if target and _has_root(loc):
+        if target and has_root(loc):
             keep = "committed while clean ran"
         else:
             keep = _remove(loc, complete)
@@ -130,7 +135,7 @@ def _foreign(loc: location.Location) -> str | None:
     return None
 
 
-def _has_root(loc: location.Location) -> bool:
+def has_root(loc: location.Location) -> bool:
     """Whether ``loc`` holds a root zarr.json (spec 10.4), without reading it
     (locally: and without following a link at ``loc``)."""
     if backend_for(loc).supports_rename:
@@ -143,7 +148,7 @@ def _has_root(loc: location.Location) -> bool:
     return kv.read(loc, commit.ROOT_KEY) is not None
 
 
-def _age(loc: location.Location) -> float | None:
+def age_of(loc: location.Location) -> float | None:
     """Seconds since anything under ``loc`` last changed (modified, created,
     renamed: the later of mtime and ctime), or None where unknown."""
     return backend_for(loc).age(loc)

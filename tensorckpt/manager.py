@@ -41,6 +41,7 @@ overlaps a save of this manager. It:
 
 from __future__ import annotations
 
+import concurrent.futures
 import errno
 import os
 import posixpath
@@ -53,7 +54,7 @@ from collections.abc import Callable, Mapping, MutableMapping
 from dataclasses import dataclass
 
 from .checkpoint import read_root
-from .clean import DEFAULT_OLDER_THAN, _age, _has_root, _too_young
+from .clean import DEFAULT_OLDER_THAN, age_of, has_root, too_young
 from .clean import clean as _clean_leftovers
 from .engine.async_save import SaveHandle
 from .engine.async_save import async_save as _async_save
@@ -236,7 +237,7 @@ class CheckpointManager:
         if raise_error:
             h.wait(timeout)
         else:
-            h._done.wait(timeout)
+            concurrent.futures.wait([h.future], timeout)  # not looking at the outcome: a failure is still reported
 
     def __enter__(self) -> CheckpointManager:
         return self
@@ -406,8 +407,8 @@ class CheckpointManager:
         before the rename, or between the two renames of the fallback), once
         it is older than ``grace``: it is a whole checkpoint, and may be the
         only copy. The copy not named ``-old`` (the newer one) wins."""
-        whole = [x for x in e.leftovers if _has_root(x) and _valid_root(x)]
-        if not whole or any(_too_young(_age(x), self.grace) for x in e.leftovers):
+        whole = [x for x in e.leftovers if has_root(x) and _valid_root(x)]
+        if not whole or any(too_young(age_of(x), self.grace) for x in e.leftovers):
             return False
         best = sorted(whole, key=lambda x: (x.name.endswith("-old"), x.name))[0]
         target = self._loc(step)
@@ -493,7 +494,7 @@ class CheckpointManager:
                 continue
             e = entries.setdefault(step, _Entry())
             e.target = True
-            e.committed = _has_root(self._loc(step))
+            e.committed = has_root(self._loc(step))
             if e.committed:
                 with self._lock:
                     self._seen.setdefault(step, now)

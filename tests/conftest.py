@@ -27,15 +27,12 @@ def mem_url():
 def fresh_plan_cache():
     """Start the test with an empty save-plan cache.
 
-    tensorckpt.engine.save keeps a per-process plan cache; while a failed
+    tensorckpt.engine.plan_cache keeps a per-group plan cache; while a failed
     save can leave a wrong plan in it (see test_errors.py,
     test_failed_save_does_not_affect_the_next_save), one test's failure would
     leak into the next test's saves. Tests of that bug run inside one test,
     so this isolation does not hide it."""
-    from tensorckpt.engine import save as save_module
+    from tensorckpt.engine import plan_cache
 
-    for name in ("_LAST_LAYOUT", "_PLAN_CACHE"):
-        cache = getattr(save_module, name, None)
-        if isinstance(cache, dict):
-            cache.clear()
+    plan_cache.clear()
     yield

@@ -4,6 +4,7 @@ and the per-phase statistics kept with the checkpoint."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import os
 import subprocess
@@ -110,7 +111,7 @@ def test_background_failure_surfaces_on_handle_and_next_call(tmp_path):
     tensorckpt.save({"x": torch.ones(2)}, tmp_path / "c")
     h = tensorckpt.async_save(_state(), tmp_path / "c")  # exists, no overwrite: fails in the background
     while not h.done():
-        h._done.wait(0.01)  # wait without looking at the outcome
+        concurrent.futures.wait([h.future], 0.01)  # wait without looking at the outcome
     with pytest.raises(tensorckpt.TensorckptError, match="previous async save .* failed") as info:
         tensorckpt.async_save(_state(), tmp_path / "d")
     assert isinstance(info.value.__cause__, tensorckpt.CheckpointExistsError)
@@ -239,3 +240,65 @@ def test_load_with_a_small_read_window(tmp_path, monkeypatch):
     for k, v in state.items():
         assert torch.equal(target[k].detach(), v), k
     assert stats.seconds["copy"] > 0
+
+
+def test_async_saver_owns_its_staging_pool_and_plan_cache(tmp_path):
+    state = {"w": torch.randn(32, 32), "step": 1}
+    with tensorckpt.AsyncSaver() as saver:
+        first = saver.save(state, tmp_path / "a")
+        second = saver.save(state, tmp_path / "b")  # waits for the first (one in flight per saver)
+        saver.wait()
+        assert first.done() and second.done()
+        assert first.stats.staging_bytes_allocated == 32 * 32 * 4 and second.stats.staging_bytes_allocated == 0
+        assert not first.stats.plan_cache_hit and second.stats.plan_cache_hit
+        with tensorckpt.AsyncSaver() as other:  # a saver of its own: its own buffers and cache
+            third = other.save(state, tmp_path / "c")
+            third.wait()
+        assert third.stats.staging_bytes_allocated == 32 * 32 * 4 and not third.stats.plan_cache_hit
+    with pytest.raises(tensorckpt.TensorckptError, match="closed"):
+        saver.save(state, tmp_path / "d")
+    saver.close()  # again: nothing to do
+    for name in "abc":
+        assert torch.equal(tensorckpt.open(tmp_path / name).read("w"), state["w"])
+
+
+def test_closing_an_async_saver_finishes_the_save_and_raises_a_failure_nobody_saw(tmp_path):
+    saver = tensorckpt.AsyncSaver()
+    saver.save({"w": torch.arange(100000.0)}, tmp_path / "a")
+    saver.close()  # no wait(): close finishes it
+    assert torch.equal(tensorckpt.open(tmp_path / "a").read("w"), torch.arange(100000.0))
+
+    saver = tensorckpt.AsyncSaver()
+    saver.save({"x": torch.ones(2)}, tmp_path / "a")  # exists, no overwrite: fails in the background
+    with pytest.raises(tensorckpt.TensorckptError, match="async save to .* failed") as info:
+        saver.close()
+    assert isinstance(info.value.__cause__, tensorckpt.CheckpointExistsError)
+
+    saver = tensorckpt.AsyncSaver()
+    h = saver.save({"x": torch.ones(2)}, tmp_path / "a")
+    with pytest.raises(tensorckpt.CheckpointExistsError):
+        saver.wait()
+    assert isinstance(h.exception(), tensorckpt.CheckpointExistsError)
+    saver.close()  # already seen: not raised again
+
+
+def test_a_with_block_leaving_on_an_exception_keeps_it_and_prints_the_save_failure(tmp_path, capsys):
+    tensorckpt.save({"x": torch.ones(2)}, tmp_path / "a")
+    with pytest.raises(KeyError, match="training failed"):
+        with tensorckpt.AsyncSaver() as saver:
+            saver.save({"x": torch.ones(2)}, tmp_path / "a")
+            raise KeyError("training failed")
+    err = capsys.readouterr().err
+    assert "async save to" in err and "failed" in err and "exists" in err
+
+
+def test_handle_future_is_a_concurrent_future(tmp_path):
+    release = threading.Event()
+    h = tensorckpt.async_save(_state(), tmp_path / "a", on_durable=lambda _: release.wait(30))
+    assert not h.future.cancel()  # running from the start
+    done, _ = concurrent.futures.wait([h.future], timeout=0.05)
+    assert not done
+    release.set()
+    done, _ = concurrent.futures.wait([h.future], timeout=60)
+    assert done == {h.future} and h.future.result() is None and h.done()
+    h.wait()

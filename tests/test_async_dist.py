@@ -102,6 +102,11 @@ def _worker(rank: int, world: int, base: str) -> dict:
         tensorckpt.save(state(5), f"{base}/straggler")
     finally:
         kv.sync_tree = inner
+
+    # 6. a saver of one's own: its own background group, buffers and plan cache; closed at the end
+    with tensorckpt.AsyncSaver() as saver:
+        mine = [saver.save(state(step), f"{base}/own{step}") for step in (6, 7)]
+    out["own"] = [(h.done(), h.stats.plan_cache_hit, h.stats.staging_bytes_allocated > 0) for h in mine]
     return out
 
 
@@ -166,3 +171,10 @@ def test_inspect_shows_the_straggler(results, capsys):
     doc = json.loads(capsys.readouterr().out)
     assert doc["save_phases"]["sync"]["slowest_rank"] == 1
     assert doc["save_phases"]["sync"]["max"] >= 0.5 > doc["save_phases"]["sync"]["min"]
+
+
+def test_an_async_saver_of_its_own(results):
+    base, res = results
+    for r in res:
+        assert r["own"] == [(True, False, True), (True, True, False)]
+    assert torch.equal(tensorckpt.open(base / "own7").read("w"), _full(7))

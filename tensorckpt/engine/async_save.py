@@ -10,11 +10,25 @@ a background thread.
                       collectives never interleave with training's), exactly
                       as a synchronous save of the staged copies
 
-One save per process group is in flight at a time: the next call waits for
-it (``on_busy="wait"``, bounded host memory: one staged copy) or raises
-(``on_busy="raise"``). Staging buffers are reused across saves while a
-key's shape and dtype stay the same. At interpreter exit, saves in flight
-are finished; a failure nobody looked at is printed to stderr.
+An :class:`AsyncSaver` holds everything one process group's async saves
+share: the staging pool (buffers reused while a key's shape and dtype stay
+the same), the background group, the save in flight and the plan cache of
+its saves (engine/plan_cache.py). :func:`async_save` uses one default saver
+per process group, created on its first call for that group and kept for
+the life of the process; a user may create savers of their own.
+
+Lifetime of a saver: creating one is local (no collective); its first save
+over a group spanning every process creates the background gloo group (every
+process takes part, ``new_group``'s rule). One save per saver is in flight at
+a time: the next call waits for it (``on_busy="wait"``, bounded host memory:
+one staged copy) or raises (``on_busy="raise"``); a failure nobody looked at
+is raised by the next call. ``close()`` (or leaving a ``with`` block) finishes
+the save in flight, raises its failure if nobody looked at it (printed to
+stderr when a ``with`` block exits on an exception), and frees the staging
+buffers and the plan cache; the background group stays with torch.distributed
+(``destroy_process_group`` is the caller's). At interpreter exit, the saves
+in flight of savers not closed (the default ones included) whose outcome
+nobody is looking at are finished; such a failure is printed to stderr.
 """
 
 from __future__ import annotations
@@ -24,6 +38,9 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Mapping
+from concurrent.futures import Future
+from types import TracebackType
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -33,7 +50,8 @@ from ..adapters.sharded import ShardedTensor, saved_part
 from ..adapters.state import flatten, unflatten
 from ..errors import TensorckptError
 from ..storage import location
-from .group import Group
+from .group import Group, group_key
+from .plan_cache import PlanCache
 from .replicas import is_plain
 from .save import SaveOptions, SaveStats, check_tensor, run
 
@@ -41,7 +59,7 @@ ON_BUSY = ("wait", "raise")
 
 
 class SaveHandle:
-    """The future of an :func:`async_save`.
+    """The future of an :func:`async_save` (or :meth:`AsyncSaver.save`).
 
     ``wait(timeout=None)`` blocks until the checkpoint is committed and
     raises the save's error if it failed (``TimeoutError`` if ``timeout``
@@ -49,20 +67,29 @@ class SaveHandle:
     ``add_done_callback(fn)`` calls ``fn(handle)`` once the save ends, either
     way. ``stats`` is this rank's :class:`SaveStats` (``stall_seconds``,
     ``durable_seconds``, per-phase ``seconds``). ``path`` is where it saves.
+
+    ``future`` is the :class:`concurrent.futures.Future` behind the handle
+    (result None, or the save's exception), for ``concurrent.futures.wait``
+    and ``as_completed``. Waiting on it does not count as looking at the
+    outcome: a failure seen only through ``future`` is still raised by the
+    saver's next call and printed at exit; the handle's own methods (and
+    callbacks) count.
     """
 
-    def __init__(self, path: str, stats: SaveStats, on_durable: Callable | None) -> None:
+    def __init__(self, path: str, stats: SaveStats, on_durable: Callable[[SaveHandle], None] | None) -> None:
         self.path = path
         self.stats = stats
         self._on_durable = on_durable
-        self._done = threading.Event()
-        self._error: BaseException | None = None
+        self._future: Future[None] = Future()
+        self._future.set_running_or_notify_cancel()  # running from the start: it cannot be cancelled
         self._observed = False  # someone saw the outcome (wait/exception/callback)
-        self._callbacks: list[Callable] = []
-        self._lock = threading.Lock()
+
+    @property
+    def future(self) -> Future[None]:
+        return self._future
 
     def done(self) -> bool:
-        return self._done.is_set()
+        return self._future.done()
 
     def wait(self, timeout: float | None = None) -> None:
         error = self.exception(timeout)
@@ -70,21 +97,19 @@ class SaveHandle:
             raise error
 
     def exception(self, timeout: float | None = None) -> BaseException | None:
-        if not self._done.wait(timeout):
-            raise TimeoutError(f"the async save to {self.path} is still running after {timeout} s")
+        try:
+            error = self._future.exception(timeout)
+        except TimeoutError:
+            raise TimeoutError(f"the async save to {self.path} is still running after {timeout} s") from None
         self._observed = True
-        return self._error
+        return error
 
     def add_done_callback(self, fn: Callable[[SaveHandle], None]) -> None:
         self._observed = True  # fn sees the outcome
-        with self._lock:
-            if not self._done.is_set():
-                self._callbacks.append(fn)
-                return
-        fn(self)
+        self._future.add_done_callback(lambda _: fn(self))
 
     def __repr__(self) -> str:
-        state = "running" if not self.done() else ("failed" if self._error else "committed")
+        state = "running" if not self.done() else ("failed" if self._future.exception() else "committed")
         return f"SaveHandle({self.path!r}, {state})"
 
     def _finish(self, error: BaseException | None) -> None:
@@ -93,30 +118,173 @@ class SaveHandle:
                 self._on_durable(self)
             except Exception as e:  # a failing callback must not hide that the save is durable
                 print(f"tensorckpt: on_durable callback for {self.path} raised {e!r}", file=sys.stderr)
-        self._error = error
-        with self._lock:
-            self._done.set()
-            callbacks, self._callbacks = self._callbacks, []
-        for fn in callbacks:
-            fn(self)
+        if error is None:
+            self._future.set_result(None)
+        else:
+            self._future.set_exception(error)
+
+    def _unobserved_error(self) -> BaseException | None:
+        """Wait for the end; the save's error if nobody looked at it (then it
+        counts as seen)."""
+        seen = self._observed
+        error = self._future.exception()
+        if error is None or seen:
+            return None
+        self._observed = True
+        return error
 
 
-# Per process group: the save in flight, the staging pool, the background group.
-_IN_FLIGHT: dict[object, SaveHandle] = {}
-_POOLS: dict[object, dict[str, torch.Tensor]] = {}
-_GROUPS: dict[object, Group] = {}
+class AsyncSaver:
+    """Asynchronous saves over one process group (module docstring: what it
+    holds, its lifetime).
+
+        with tensorckpt.AsyncSaver() as saver:       # process_group=None: the default group
+            for step in ...:
+                saver.save(state, f"ckpt/step-{step}")  # like tensorckpt.async_save
+        # leaving the block: the last save is finished, its buffers freed
+
+    ``background_group``: as for :func:`async_save`, a gloo group over the
+    same ranks, needed over a subgroup. ``save`` takes the options of
+    :func:`async_save` (``overwrite``, ``on_busy``, ``on_durable``, save
+    options) and returns its :class:`SaveHandle`; ``wait(timeout=None)``
+    waits for the save in flight and raises its error; ``close()`` finishes
+    and releases (a closed saver refuses to save).
+    """
+
+    def __init__(self, process_group: Any = None, background_group: Any = None) -> None:
+        self.process_group = process_group
+        self._g = Group(process_group)
+        self._bg: Group | None = None  # created by the first save (a collective)
+        if background_group is not None and self._g.distributed:  # checked now, not at the first save
+            self._bg = _background_group(self._g, background_group)
+        self._pool: dict[str, torch.Tensor] = {}  # staging buffers by key
+        self._plans = PlanCache()  # the plan cache of saves over the background group
+        self._handle: SaveHandle | None = None  # the last save
+        self._closed = False
+        _OPEN.add(self)
+
+    def save(self, state: Mapping, path: Any, *, overwrite: bool = False, on_busy: str = "wait",
+             on_durable: Callable[[SaveHandle], None] | None = None, **options: Any) -> SaveHandle:
+        """Save ``state`` like :func:`async_save` (a collective over this
+        saver's group: every rank calls it)."""
+        return self._save(state, path, overwrite, on_busy, on_durable, None, options)
+
+    def wait(self, timeout: float | None = None) -> None:
+        """Wait for the save in flight, if any; raise its error if it failed."""
+        if self._handle is not None:
+            self._handle.wait(timeout)
+
+    def close(self) -> None:
+        """Finish the save in flight; raise its failure if nobody looked at
+        it; free the staging buffers and forget the plan cache. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        _OPEN.discard(self)
+        if _DEFAULT.get(group_key(self.process_group)) is self:
+            del _DEFAULT[group_key(self.process_group)]
+        handle, self._handle = self._handle, None
+        try:
+            error = handle._unobserved_error() if handle is not None else None  # waits for it
+        finally:
+            self._pool.clear()
+            self._plans.clear()
+        if handle is not None and error is not None:
+            raise TensorckptError(f"the async save to {handle.path} failed: {error}") from error
+
+    def __enter__(self) -> AsyncSaver:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        if exc_type is None:
+            self.close()
+            return
+        try:  # an exception is on its way out: do not replace it
+            self.close()
+        except TensorckptError as e:
+            print(f"tensorckpt: {e}", file=sys.stderr)
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else repr(self._handle)
+        return f"AsyncSaver(process_group={self.process_group!r}, {state})"
+
+    def _save(self, state: Mapping, path: Any, overwrite: bool, on_busy: str,
+              on_durable: Callable[[SaveHandle], None] | None, background_group: Any,
+              options: Mapping[str, Any]) -> SaveHandle:
+        t_call = time.perf_counter()
+        opts = _check_call(on_busy, options)
+        if self._closed:
+            raise TensorckptError(f"{self!r} is closed; create another AsyncSaver")
+        loc = location.parse(path)
+        g = self._g
+        previous = self._handle
+        if previous is not None:
+            if not previous.done() and on_busy == "raise":
+                raise TensorckptError(
+                    f"an async save to {previous.path} is still in flight; wait on its handle first, "
+                    "or pass on_busy='wait'"
+                )
+            error = previous._unobserved_error()  # backpressure: waits for it
+            if error is not None:
+                raise TensorckptError(f"the previous async save to {previous.path} failed: {error}") from error
+        bg = self._background(background_group)
+        plans = self._plans
+
+        stats = SaveStats()
+        staged, failed = None, None
+        t0 = time.perf_counter()
+        try:
+            plain = registry.for_save(state, registry.Context(state, g.rank, g.size))
+            staged = _stage(plain, self._pool, stats, g.distributed)
+        except Exception as e:
+            if not g.distributed:
+                raise
+            failed = e  # the others learn it through the save's first collective
+        stats.seconds["stage"] = time.perf_counter() - t0
+        handle = SaveHandle(str(loc), stats, on_durable)
+        self._handle = handle
+
+        def work() -> None:
+            error = None
+            try:
+                run(staged or {}, loc, bg, overwrite, opts, stats, failed, plans)
+            except BaseException as e:  # noqa: BLE001 - surfaced on the handle
+                error = e
+            stats.durable_seconds = time.perf_counter() - t_call
+            handle._finish(error)
+
+        threading.Thread(target=work, name=f"tensorckpt-async-save {loc}", daemon=True).start()
+        stats.stall_seconds = time.perf_counter() - t_call
+        if failed is not None:  # raise what every other rank's handle raises: the error naming every failing rank
+            error = handle.exception()
+            if error is not None:
+                raise error from failed
+            raise failed
+        return handle
+
+    def _background(self, given: Any) -> Group:
+        """The group of the background collectives: the one made or given
+        before, unless ``given`` is another one (then it replaces it, with a
+        plan cache of its own)."""
+        if not self._g.distributed:
+            return self._g
+        if self._bg is None or (given is not None and self._bg.pg is not given):
+            self._bg = _background_group(self._g, given)
+            self._plans = PlanCache()
+        return self._bg
 
 
 def async_save(
     state: Mapping,
-    path,
+    path: Any,
     *,
-    process_group=None,
+    process_group: Any = None,
     overwrite: bool = False,
     on_busy: str = "wait",
     on_durable: Callable[[SaveHandle], None] | None = None,
-    background_group=None,
-    **options,
+    background_group: Any = None,
+    **options: Any,
 ) -> SaveHandle:
     """Save ``state`` like :func:`tensorckpt.save`, returning as soon as its
     tensors are copied to host memory; the caller may then change them.
@@ -133,60 +301,23 @@ def async_save(
     ``background_group``: a gloo group over the same ranks, created once by
     every process (``torch.distributed.new_group(ranks, backend="gloo")``).
     torch cannot create one for a subgroup without every process taking part.
+
+    The work is done by the default :class:`AsyncSaver` of ``process_group``,
+    created on the first call and kept until exit.
     """
-    t_call = time.perf_counter()
+    _check_call(on_busy, options)
+    key = group_key(process_group)
+    saver = _DEFAULT.get(key)
+    if saver is None:
+        saver = _DEFAULT[key] = AsyncSaver(process_group)
+    return saver._save(state, path, overwrite, on_busy, on_durable, background_group, options)
+
+
+def _check_call(on_busy: str, options: Mapping[str, Any]) -> SaveOptions:
     opts = SaveOptions.of(options)
     if on_busy not in ON_BUSY:
         raise ValueError(f"async_save(on_busy=...) must be one of {ON_BUSY}, got {on_busy!r}")
-    loc = location.parse(path)
-    g = Group(process_group)
-    slot = _slot(process_group)
-    previous = _IN_FLIGHT.get(slot)
-    if previous is not None:
-        if not previous.done() and on_busy == "raise":
-            raise TensorckptError(
-                f"an async save to {previous.path} is still in flight; wait on its handle first, "
-                "or pass on_busy='wait'"
-            )
-        seen = previous._observed
-        previous._done.wait()  # backpressure
-        if previous._error is not None and not seen:
-            previous._observed = True
-            raise TensorckptError(f"the previous async save to {previous.path} failed: {previous._error}") from previous._error
-    bg = _background_group(slot, g, background_group)
-
-    stats = SaveStats()
-    staged, failed = None, None
-    t0 = time.perf_counter()
-    try:
-        plain = registry.for_save(state, registry.Context(state, g.rank, g.size))
-        staged = _stage(plain, _POOLS.setdefault(slot, {}), stats, g.distributed)
-    except Exception as e:
-        if not g.distributed:
-            raise
-        failed = e  # the others learn it through the save's first collective
-    stats.seconds["stage"] = time.perf_counter() - t0
-    handle = SaveHandle(str(loc), stats, on_durable)
-    _IN_FLIGHT[slot] = handle
-
-    def work() -> None:
-        error = None
-        try:
-            run(staged or {}, loc, bg, overwrite, opts, stats, failed)
-        except BaseException as e:  # noqa: BLE001 - surfaced on the handle
-            error = e
-        stats.durable_seconds = time.perf_counter() - t_call
-        handle._finish(error)
-
-    threading.Thread(target=work, name=f"tensorckpt-async-save {loc}", daemon=True).start()
-    stats.stall_seconds = time.perf_counter() - t_call
-    if failed is not None:  # raise what every other rank's handle raises: the error naming every failing rank
-        handle._observed = True
-        handle._done.wait()
-        if handle._error is not None:
-            raise handle._error from failed
-        raise failed
-    return handle
+    return opts
 
 
 def _stage(state: Mapping, pool: dict[str, torch.Tensor], stats: SaveStats, distributed: bool) -> dict:
@@ -220,22 +351,13 @@ def _stage(state: Mapping, pool: dict[str, torch.Tensor], stats: SaveStats, dist
     return unflatten(leaves)
 
 
-def _slot(process_group) -> object:
-    return process_group if process_group is not None else "default"
-
-
-def _background_group(slot, g: Group, given) -> Group:
+def _background_group(g: Group, given: Any) -> Group:
     """A gloo group over the same ranks, for the background thread's
     collectives, so they never interleave with training's on ``g``. Over the
-    whole world it is created here, once, by every process (``new_group``'s
+    whole world it is created here by every process, once per saver (``new_group``'s
     rule); for a subgroup the caller passes one (``background_group``):
     creating it with ``use_local_synchronization`` hangs in torch 2.13 once
     other groups exist."""
-    if not g.distributed:
-        return g
-    bg = _GROUPS.get(slot)
-    if bg is not None and (given is None or bg.pg is given):
-        return bg
     world = dist.get_world_size()
     ranks = dist.get_process_group_ranks(g.pg) if g.pg is not None else list(range(world))
     if given is not None:
@@ -254,15 +376,23 @@ def _background_group(slot, g: Group, given) -> Group:
             "collectives: create one once on every process, bg = torch.distributed.new_group(ranks, "
             "backend='gloo'), and pass background_group=bg (or use save())"
         )
-    _GROUPS[slot] = bg
     return bg
+
+
+# The process's savers: async_save's default one per process group (keyed by
+# the group object, engine/group.group_key), and every saver not closed yet,
+# whose save in flight is finished at exit.
+_DEFAULT: dict[object, AsyncSaver] = {}
+_OPEN: set[AsyncSaver] = set()
 
 
 @atexit.register
 def _finish_in_flight() -> None:
     """At exit: finish saves in flight; report failures nobody looked at."""
-    for handle in list(_IN_FLIGHT.values()):
-        if not handle._observed:
-            handle._done.wait()
-            if handle._error is not None:
-                print(f"tensorckpt: the async save to {handle.path} failed: {handle._error}", file=sys.stderr)
+    for saver in list(_OPEN):
+        handle = saver._handle
+        if handle is None or handle._observed:  # its holder waits for it
+            continue
+        error = handle._unobserved_error()
+        if error is not None:
+            print(f"tensorckpt: the async save to {handle.path} failed: {error}", file=sys.stderr)

@@ -22,8 +22,23 @@ import torch.distributed as dist
 from .. import errors
 
 
+def group_key(process_group: object | None) -> object | None:
+    """The group object ``process_group`` stands for, to key per-group state
+    by (the object itself, never its ``id``, which a later group may reuse):
+    ``process_group``, or for None the default group once torch.distributed is
+    initialized, else None (a single process)."""
+    if process_group is None and dist.is_available() and dist.is_initialized():
+        return dist.group.WORLD
+    return process_group
+
+
 class Group:
-    def __init__(self, process_group=None) -> None:
+    """A process group as save and load use it (None: the default group; a
+    single process when torch.distributed is not initialized): its rank and
+    size, the collectives below, and :meth:`collective`, the one way a step
+    that may fail on some ranks runs."""
+
+    def __init__(self, process_group: Any = None) -> None:
         initialized = dist.is_available() and dist.is_initialized()
         if process_group is not None and not initialized:
             raise errors.TensorckptError("process_group given but torch.distributed is not initialized")
@@ -35,7 +50,7 @@ class Group:
     def _global(self, group_rank: int) -> int:
         return dist.get_global_rank(self.pg, group_rank) if self.pg is not None else group_rank
 
-    def gather(self, obj) -> list | None:
+    def gather(self, obj: Any) -> list | None:
         """Everyone's ``obj`` on rank 0 (None elsewhere)."""
         if not self.distributed:
             return [obj]
@@ -43,7 +58,7 @@ class Group:
         dist.gather_object(obj, out, dst=self._global(0), group=self.pg)
         return out
 
-    def broadcast(self, obj):
+    def broadcast(self, obj: Any) -> Any:
         """Rank 0's ``obj`` on every rank."""
         if not self.distributed:
             return obj
@@ -81,7 +96,7 @@ class Group:
             )
         return torch.device(kind.type, getattr(torch, kind.type).current_device())
 
-    def all_gather(self, obj) -> list:
+    def all_gather(self, obj: Any) -> list:
         if not self.distributed:
             return [obj]
         out = [None] * self.size
@@ -127,8 +142,9 @@ class Group:
                 f"{str(e).splitlines()[0] if str(e) else type(e).__name__}); nothing was committed by this call and "
                 "what this rank could clean up is removed: restart the job and retry") from e
 
-    def _collective(self, local, reduce, what: str, on_failure) -> Any:
-        mine, exc = _attempt(local) if local is not None else (None, None)
+    def _collective(self, local: Callable[[], Any] | None, reduce: Callable[[list], Any] | None, what: str,
+                    on_failure: Callable[[], None] | None) -> Any:
+        mine, exc = attempt(local) if local is not None else (None, None)
         mine_failure = None if exc is None else Failure.of(self.rank, exc)
         if reduce is None:
             everyone = self.all_gather((mine, mine_failure))
@@ -141,7 +157,7 @@ class Group:
                 failures = [f for _, f in gathered if f is not None] if gathered is not None else []
                 result = None
                 if not failures:
-                    result, e = _attempt(reduce, [r for r, _ in gathered] if gathered is not None else [])
+                    result, e = attempt(reduce, [r for r, _ in gathered] if gathered is not None else [])
                     if e is not None:
                         exc = exc or e
                         failures = [Failure.of(0, e)._replace(gathered=True)]
@@ -172,7 +188,9 @@ class Failure(NamedTuple):
         return cls(rank, type(e).__name__, str(e))
 
 
-def _attempt(fn: Callable, *args) -> tuple[Any, BaseException | None]:
+def attempt(fn: Callable, *args: Any) -> tuple[Any, BaseException | None]:
+    """``(fn(*args), None)``, or ``(None, the exception)``: a local step whose
+    failure is handed to the next collective instead of raised."""
     try:
         return fn(*args), None
     except Exception as e:  # noqa: BLE001 - shipped to every rank as a Failure

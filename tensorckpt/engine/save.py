@@ -20,7 +20,7 @@ rank is raised on every rank, naming every failing rank. The number of
 collectives is constant (4, or 5 with an exchange), whatever
 the number of tensors. A save whose tensor layout (keys, shapes, dtypes,
 boxes) is the same on every rank as in the previous successful save over the
-same group reuses that save's plan: ranks send only their values, and rank 0
+same group reuses that save's plan (engine/plan_cache.py): ranks send only their values, and rank 0
 skips planning.
 
 What travels is typed: the keyword options become one :class:`SaveOptions`,
@@ -57,17 +57,11 @@ from ..layout.plan import (
 )
 from ..storage import arrays, commit, direct, kv, location
 from ..storage.backend import backend_for
-from .group import Group, _attempt
+from . import plan_cache
+from .group import Group, attempt
 from .replicas import check_not_flat, check_replicas, digests_of
 
 _GROUP_JSON = dumps({"zarr_format": 3, "node_type": "group", "attributes": {}})
-
-# Plan cache, per (process group, options): every rank keeps the layout it last
-# saved successfully; rank 0 also keeps everyone's local plans and the plan.
-_LAST_LAYOUT: dict[tuple, tuple] = {}
-_PLAN_CACHE: dict[tuple, tuple[list[LocalPlan], SavePlan]] = {}
-_PENDING: dict[tuple, list[LocalPlan]] = {}  # rank 0: the local plans of the save in flight
-
 
 PHASES = ("plan", "stage", "write", "sync", "commit")
 
@@ -206,13 +200,16 @@ def save(
 
 
 def run(state: Mapping, loc: location.Location, g: Group, overwrite: bool, options: SaveOptions, stats: SaveStats,
-        failed: BaseException | None = None) -> None:
+        failed: BaseException | None = None, cache: plan_cache.PlanCache | None = None) -> None:
     """The save protocol (module docstring) over ``g``. ``failed``: this rank
     already failed (an async save's staging); it still takes part, so every
     rank raises the error instead of waiting for it. Any rank's failure is
-    raised on every rank, naming every failing rank (:meth:`Group.collective`)."""
+    raised on every rank, naming every failing rank (:meth:`Group.collective`).
+    ``cache``: the plan cache (default: the group's, ``plan_cache.for_group``;
+    an AsyncSaver passes its own)."""
     t0 = time.perf_counter()
-    cache_key = (id(g.pg), g.size, options.shard_bytes, options.inner_chunk_bytes)
+    plans = cache if cache is not None else plan_cache.for_group(g.pg)
+    cache_key = plan_cache.key(g.size, options.shard_bytes, options.inner_chunk_bytes)
     layout: Any = None  # this rank's items, kept for the plan cache
 
     def local_plan() -> LocalPlanMessage:
@@ -221,12 +218,12 @@ def run(state: Mapping, loc: location.Location, g: Group, overwrite: bool, optio
             raise failed
         local, digests = _local_plan(state, g, loc)
         layout = local.items
-        same = _LAST_LAYOUT.get(cache_key) == layout
+        same = plans.layout(cache_key) == layout
         return LocalPlanMessage(replace(local, items=()) if same else local, same, digests)  # a hit sends only values
 
     plan, c, meta, hit = g.collective(
-        local_plan, lambda gathered: _decide(gathered, loc, overwrite, options, g.size, cache_key),
-        what=f"save to {loc}", on_failure=lambda: _forget(cache_key),
+        local_plan, lambda gathered: _decide(gathered, loc, overwrite, options, g.size, plans, cache_key),
+        what=f"save to {loc}", on_failure=lambda: plans.forget(cache_key),
     )
     stats.plan_cache_hit = hit
     stats.bytes_written = plan_bytes(plan, g.rank)
@@ -238,7 +235,7 @@ def run(state: Mapping, loc: location.Location, g: Group, overwrite: bool, optio
 
     def abort() -> None:
         nonlocal aborted
-        _forget(cache_key)
+        plans.forget(cache_key)
         if g.rank == 0 and not aborted:
             commit.abort(c)
         aborted = True
@@ -252,7 +249,7 @@ def run(state: Mapping, loc: location.Location, g: Group, overwrite: bool, optio
         except Exception:
             raise
         except BaseException:  # KeyboardInterrupt mid-write: leave nothing behind
-            _forget(cache_key)
+            plans.forget(cache_key)
             if not aborted:
                 commit.abort(c)
             aborted = True
@@ -267,15 +264,8 @@ def run(state: Mapping, loc: location.Location, g: Group, overwrite: bool, optio
         g.collective(write, finish, what=f"save to {loc}", on_failure=abort)
     finally:
         stats._phase("commit", t)
-    _LAST_LAYOUT[cache_key] = layout  # the plan is cached only once a save with it succeeded
-    if g.rank == 0:
-        _PLAN_CACHE[cache_key] = (_PENDING.pop(cache_key), plan)
+    plans.keep(cache_key, layout, plan, g.rank == 0)  # the plan is cached only once a save with it succeeded
 
-
-def _forget(cache_key) -> None:
-    _LAST_LAYOUT.pop(cache_key, None)
-    _PLAN_CACHE.pop(cache_key, None)
-    _PENDING.pop(cache_key, None)
 
 
 # ----------------------------------------------------------------- steps
@@ -300,12 +290,12 @@ def _local_plan(state: Mapping, g: Group, loc: location.Location) -> tuple[Local
 
 
 def _decide(gathered: list[LocalPlanMessage], loc: location.Location, overwrite: bool, options: SaveOptions,
-            world: int, cache_key: tuple) -> Decision:
+            world: int, cache: plan_cache.PlanCache, cache_key: plan_cache.Key) -> Decision:
     """Rank 0: the global plan (cached or new), where to write, and the root
     metadata. Plain tensors held by several ranks must be equal (their digests),
     and so must values: both are checked before anything is written."""
     check_replicas([m.digests for m in gathered])
-    cached = _PLAN_CACHE.get(cache_key)
+    cached = cache.plan(cache_key)
     hit = cached is not None and all(m.same_layout for m in gathered)
     if hit:
         plans = [replace(old, values=m.plan.values) for old, m in zip(cached[0], gathered)]
@@ -323,7 +313,7 @@ def _decide(gathered: list[LocalPlanMessage], loc: location.Location, overwrite:
             options.shard_bytes or grid.DEFAULT_SHARD_BYTES,
             options.inner_chunk_bytes or grid.DEFAULT_INNER_BYTES,
         )
-    _PENDING[cache_key] = [replace(p, values={}) for p in plans]  # cached once the save succeeds
+    cache.pend(cache_key, [replace(p, values={}) for p in plans])  # cached once the save succeeds
     user = check_value(options.metadata or {}, "metadata")
     if not isinstance(user, dict):
         raise UnsupportedValueError("save(metadata=...) must be a dict")
@@ -362,10 +352,10 @@ def _exchange(state: Mapping, plan: SavePlan, g: Group) -> tuple[dict, BaseExcep
         send_sizes[p.dst] += _nbytes(plan, p)
     for p in recvs:
         recv_sizes[p.src] += _nbytes(plan, p)
-    data, err = _attempt(_pack, state, sends)
+    data, err = attempt(_pack, state, sends)
     if err is not None:
         data = torch.zeros(sum(send_sizes), dtype=torch.uint8)
-    got, e = _attempt(g.all_to_all, data, send_sizes, recv_sizes)
+    got, e = attempt(g.all_to_all, data, send_sizes, recv_sizes)
     if err is not None or e is not None:
         return {}, err or e
     received: dict[str, list] = {}
