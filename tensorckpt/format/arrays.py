@@ -8,7 +8,6 @@ metadata. Pure: used by the writer (``storage/arrays.py``) and the reader
 from __future__ import annotations
 
 from ..errors import CorruptCheckpointError
-from . import dtypes
 from .metadata import ATTRIBUTE, TensorEntry
 
 _BYTES = {"name": "bytes", "configuration": {"endian": "little"}}
@@ -17,7 +16,7 @@ _CRC = {"name": "crc32c"}
 
 def zarr_metadata(entry: TensorEntry) -> dict:
     """The array's ``zarr.json`` content (without ``zarr_format``/``node_type``)."""
-    d = dtypes.BY_TORCH[entry.dtype]
+    d = entry.dtype_info
     return {
         "shape": list(entry.shape),
         "data_type": d.zarr_name,
@@ -55,7 +54,7 @@ def check_array_metadata(doc: object, entry: TensorEntry, where: str) -> None:
         if k not in ("dimension_names", "storage_transformers")
         and not (isinstance(v, dict) and v.get("must_understand") is False and k not in want)
     }
-    _fill_defaults(got, dtypes.BY_TORCH[entry.dtype].itemsize)
+    _fill_defaults(got, entry.itemsize)
     attrs = got.get("attributes")
     if isinstance(attrs, dict) and isinstance(attrs.get("tensorckpt"), dict):
         got["attributes"] = {"tensorckpt": {"dtype": attrs["tensorckpt"].get("dtype")}}

@@ -11,7 +11,6 @@ import sys
 import numpy as np
 import tensorstore as ts
 
-from ..format import dtypes
 from ..format.arrays import zarr_metadata
 from ..format.metadata import TensorEntry, dumps
 from ..layout.boxes import Box
@@ -41,7 +40,7 @@ def open_write(loc: Location, key: str, entry: TensorEntry) -> ts.Future:
         "assume_metadata": True,
         "store_data_equal_to_fill_value": True,
     }
-    d = dtypes.BY_TORCH[entry.dtype]
+    d = entry.dtype_info
     big = math.prod(entry.chunk_shape) * d.itemsize >= SYNC_OBJECT_BYTES
     return ts.open(spec, context=SYNC_CONTEXT if big else CONTEXT, write=True)
 

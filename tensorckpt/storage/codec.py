@@ -116,7 +116,7 @@ class Geometry:
 @functools.lru_cache(maxsize=1 << 12)
 def geometry(entry: TensorEntry) -> Geometry:
     """The :class:`Geometry` of ``entry``'s array (cached: entries are immutable)."""
-    d = dtypes.BY_TORCH[entry.dtype]
+    d = entry.dtype_info
     grid = tuple(c // i for c, i in zip(entry.chunk_shape, entry.inner_chunk_shape))
     numel, count = math.prod(entry.inner_chunk_shape), math.prod(grid)
     return Geometry(
