@@ -45,7 +45,6 @@ import google_crc32c
 import numpy as np
 
 from ..errors import CorruptCheckpointError
-from ..format import dtypes
 from ..format.metadata import TensorEntry
 from ..layout.boxes import Box, chunk_box, chunk_ranges
 
