@@ -39,8 +39,7 @@ import numpy as np
 import torch.distributed as dist
 from torch.utils.data import Sampler
 
-from .adapters import registry
-from .adapters.rng import key_in_state
+from .adapters.base import Context, Stored, Target, key_in_state
 from .adapters.state import unflatten
 from .errors import CorruptCheckpointError, IncompatibleStateError
 from .format.keys import split_flat_key
@@ -158,8 +157,6 @@ class ResumableSampler(Sampler[int]):
     epoch's rest) is cut to the same length; up to ``world - 1`` samples are
     then skipped. Without it, ranks' slices differ by at most one sample.
     """
-
-    _nothing_stored = False  # set by the adapter when a load finds no sampler state
 
     def __init__(
         self,
@@ -307,23 +304,21 @@ def _parse(state: Mapping, where: str) -> dict:
     return {**state, "counts": counts, "segments": [[w, list(c)] for w, c in segments]}
 
 
-class _Adapter:
+class SamplerAdapter:
     """Saves ``state_dict()``; loads every stored value under the sampler's key
-    (every rank's part), whatever this rank's world."""
+    (every rank's part), whatever this rank's world. ``load_target``'s memo
+    for ``apply``: whether the checkpoint holds a sampler state. Registered
+    in :data:`tensorckpt.adapters.registry.BUILTINS`."""
 
-    def save_state(self, obj, ctx):
+    def save_state(self, obj: ResumableSampler, ctx: Context) -> dict:
         return obj.state_dict()
 
-    def load_target(self, obj, stored, ctx):
-        obj._nothing_stored = not stored.values
+    def load_target(self, obj: ResumableSampler, stored: Stored, ctx: Context) -> Target:
         if not stored.values:  # ask for this rank's keys, so load reports them missing
-            return obj.state_dict()
-        return unflatten({split_flat_key(k): None for k in stored.values})
+            return Target(obj.state_dict(), memo=False)
+        return Target(unflatten({split_flat_key(k): None for k in stored.values}), memo=True)
 
-    def apply(self, obj, loaded, ctx):
-        if obj._nothing_stored:  # strict=False, no sampler stored: unchanged
+    def apply(self, obj: ResumableSampler, loaded: Mapping, ctx: Context, held: bool) -> None:
+        if not held:  # strict=False, no sampler stored: unchanged
             return
         obj._load(loaded, repr(key_in_state(obj, ctx.state)))
-
-
-registry.register(ResumableSampler, _Adapter())
