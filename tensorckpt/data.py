@@ -282,7 +282,8 @@ def _parse(state: Mapping, where: str) -> dict:
         need(is_int(state.get(name), low), f"{name!r} must be an integer >= {low}, got {state.get(name)!r}")
     need(isinstance(state.get("shuffle"), bool), f"'shuffle' must be a boolean, got {state.get('shuffle')!r}")
     world, ranks = state["world"], state.get("rank")
-    missing = [r for r in range(world) if not (isinstance(ranks, Mapping) and str(r) in ranks)]
+    ranks = ranks if isinstance(ranks, Mapping) else {}
+    missing = [r for r in range(world) if str(r) not in ranks]
     if missing:
         raise IncompatibleStateError(
             f"{where}: no progress for ranks {missing[:8]} of the saving world {world}; load it with every rank's "
@@ -290,7 +291,8 @@ def _parse(state: Mapping, where: str) -> dict:
         )
     counts = [ranks[str(r)].get("consumed") if isinstance(ranks[str(r)], Mapping) else None for r in range(world)]
     segments = state.get("segments")
-    need(isinstance(segments, list), f"'segments' must be a list, got {segments!r}")
+    if not isinstance(segments, list):
+        raise CorruptCheckpointError(f"{where}: 'segments' must be a list, got {segments!r}")
     left = state["num_samples"]  # samples not consumed before each segment
     for seg in [*segments, [world, counts]]:
         need(

@@ -1,5 +1,6 @@
-"""What every adapter shares: the :class:`Adapter` protocol and the records
-passed to it (:class:`Context`, :class:`Stored`, :class:`Target`).
+"""What every adapter shares: the :class:`Adapter` protocol (and
+:class:`MemoAdapter`, whose ``apply`` gets a memo from ``load_target``) and
+the records passed to them (:class:`Context`, :class:`Stored`, :class:`Target`).
 
 An adapter module (``torch_objects``, ``optimizer``, ``rng``, ``per_rank``,
 the sampler in ``tensorckpt.data``) imports only this module, never the
@@ -12,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 from ..format.keys import flat_key
 from ..format.metadata import TensorEntry
@@ -47,7 +48,8 @@ class Target:
     filled state (e.g. what the checkpoint held, since a target may ask for
     keys that are not stored, so that load reports them missing): ``state``
     is the plain state to load into; ``memo`` is handed back to ``apply`` as
-    its fourth argument. Nothing is written onto the user's object."""
+    its fourth argument (:class:`MemoAdapter`). Nothing is written onto the
+    user's object."""
 
     state: Mapping
     memo: object
@@ -59,19 +61,31 @@ class Adapter(Protocol):
     rank (before any tensor is read), then, once the target is filled,
     ``apply``. Objects are visited in key-path order on every rank."""
 
-    def save_state(self, obj: object, ctx: Context) -> Mapping:
+    def save_state(self, obj: Any, ctx: Context) -> Mapping:
         """The plain state to save for ``obj``."""
 
-    def load_target(self, obj: object, stored: Stored, ctx: Context) -> Mapping | Target:
+    def load_target(self, obj: Any, stored: Stored, ctx: Context) -> Mapping:
         """The plain state to load into for ``obj`` (its tensors say which
         shape, dtype and shard they want); ``stored`` is what the checkpoint
-        holds under the object's key. A :class:`Target` adds a memo for
-        ``apply``."""
+        holds under the object's key."""
 
-    def apply(self, obj: object, loaded: Mapping, ctx: Context) -> None:
-        """Put the loaded plain state (``load_target``'s, filled) into ``obj``.
-        An adapter whose ``load_target`` returned a :class:`Target` is called
-        as ``apply(obj, loaded, ctx, memo)``."""
+    def apply(self, obj: Any, loaded: Mapping, ctx: Context) -> None:
+        """Put the loaded plain state (``load_target``'s, filled) into ``obj``."""
+
+
+class MemoAdapter(Protocol):
+    """An :class:`Adapter` whose ``apply`` needs to know what ``load_target``
+    saw: ``load_target`` returns a :class:`Target` and ``apply`` receives its
+    memo (the built-in RNG, per-rank and sampler adapters)."""
+
+    def save_state(self, obj: Any, ctx: Context) -> Mapping: ...
+
+    def load_target(self, obj: Any, stored: Stored, ctx: Context) -> Target: ...
+
+    def apply(self, obj: Any, loaded: Mapping, ctx: Context, memo: Any) -> None: ...
+
+
+AnyAdapter = Adapter | MemoAdapter
 
 
 def key_in_state(obj: object, state: Mapping) -> str:

@@ -24,7 +24,7 @@ import torch
 from ..data import ResumableSampler, SamplerAdapter
 from ..format.keys import flat_key
 from ..format.metadata import RootMetadata
-from .base import Adapter, Context, Stored, Target
+from .base import Adapter, AnyAdapter, Context, MemoAdapter, Stored, Target
 from .names import Renamed
 from .optimizer import OptimizerAdapter
 from .per_rank import PerRank, PerRankAdapter
@@ -32,9 +32,9 @@ from .rng import RNGAdapter, RNGState
 from .sharded import is_tensor_leaf
 from .torch_objects import ModuleAdapter, SchedulerAdapter
 
-__all__ = ["BUILTINS", "Adapter", "Context", "Stored", "Target", "adapter_for", "for_load", "for_save", "register"]
+__all__ = ["BUILTINS", "Adapter", "AnyAdapter", "Context", "MemoAdapter", "Stored", "Target", "adapter_for", "for_load", "for_save", "register"]
 
-BUILTINS: tuple[tuple[type | tuple[type, ...], Adapter], ...] = (
+BUILTINS: tuple[tuple[type | tuple[type, ...], AnyAdapter], ...] = (
     # first match wins; the types are disjoint today, specific ones would go first
     (ResumableSampler, SamplerAdapter()),
     (PerRank, PerRankAdapter()),
@@ -44,10 +44,10 @@ BUILTINS: tuple[tuple[type | tuple[type, ...], Adapter], ...] = (
     ((torch.nn.Module, Renamed), ModuleAdapter()),
 )
 
-_USER: list[tuple[Callable[[object], bool], Adapter]] = []  # register(): the latest first
+_USER: list[tuple[Callable[[object], bool], AnyAdapter]] = []  # register(): the latest first
 
 
-def register(match: type | tuple | Callable[[object], bool], adapter: Adapter) -> None:
+def register(match: type | tuple | Callable[[object], bool], adapter: AnyAdapter) -> None:
     """Use ``adapter`` for objects that are instances of ``match`` (a type or
     tuple of types) or for which ``match(obj)`` is true. Later registrations
     take precedence over earlier ones and over the built-ins, so users can
@@ -56,7 +56,7 @@ def register(match: type | tuple | Callable[[object], bool], adapter: Adapter) -
     _USER.insert(0, (pred, adapter))
 
 
-def adapter_for(obj: object) -> Adapter | None:
+def adapter_for(obj: object) -> AnyAdapter | None:
     """The adapter of ``obj``, or None for tensors, data and plain containers."""
     if obj is None or is_tensor_leaf(obj) or isinstance(obj, (Mapping, str, bytes, int, float, bool, list, tuple)):
         return None
@@ -132,14 +132,14 @@ def for_load(
 # ----------------------------------------------------------------- tree walking
 
 
-def _objects(node: Mapping, prefix: tuple[str, ...]) -> list[tuple[tuple[str, ...], object, Adapter]]:
+def _objects(node: Mapping, prefix: tuple[str, ...]) -> list[tuple[tuple[str, ...], object, AnyAdapter]]:
     """The adapted objects of the tree, sorted by key path: objects whose
     ``state_dict()`` / ``load_state_dict()`` run collectives must be handled
     in the same order on every rank, whatever the order of each rank's dicts."""
     return sorted(_find(node, prefix), key=lambda found: tuple(map(str, found[0])))
 
 
-def _find(node: Mapping, prefix: tuple[str, ...]) -> list[tuple[tuple[str, ...], object, Adapter]]:
+def _find(node: Mapping, prefix: tuple[str, ...]) -> list[tuple[tuple[str, ...], object, AnyAdapter]]:
     found = []
     for name, value in node.items():
         if isinstance(value, Mapping):
