@@ -39,8 +39,7 @@ import numpy as np
 import torch.distributed as dist
 from torch.utils.data import Sampler
 
-from .adapters import registry
-from .adapters.rng import key_in_state
+from .adapters.base import Context, Stored, Target, key_in_state
 from .adapters.state import unflatten
 from .errors import CorruptCheckpointError, IncompatibleStateError
 from .format.keys import split_flat_key
@@ -158,8 +157,6 @@ class ResumableSampler(Sampler[int]):
     epoch's rest) is cut to the same length; up to ``world - 1`` samples are
     then skipped. Without it, ranks' slices differ by at most one sample.
     """
-
-    _nothing_stored = False  # set by the adapter when a load finds no sampler state
 
     def __init__(
         self,
@@ -285,7 +282,8 @@ def _parse(state: Mapping, where: str) -> dict:
         need(is_int(state.get(name), low), f"{name!r} must be an integer >= {low}, got {state.get(name)!r}")
     need(isinstance(state.get("shuffle"), bool), f"'shuffle' must be a boolean, got {state.get('shuffle')!r}")
     world, ranks = state["world"], state.get("rank")
-    missing = [r for r in range(world) if not (isinstance(ranks, Mapping) and str(r) in ranks)]
+    ranks = ranks if isinstance(ranks, Mapping) else {}
+    missing = [r for r in range(world) if str(r) not in ranks]
     if missing:
         raise IncompatibleStateError(
             f"{where}: no progress for ranks {missing[:8]} of the saving world {world}; load it with every rank's "
@@ -293,7 +291,8 @@ def _parse(state: Mapping, where: str) -> dict:
         )
     counts = [ranks[str(r)].get("consumed") if isinstance(ranks[str(r)], Mapping) else None for r in range(world)]
     segments = state.get("segments")
-    need(isinstance(segments, list), f"'segments' must be a list, got {segments!r}")
+    if not isinstance(segments, list):
+        raise CorruptCheckpointError(f"{where}: 'segments' must be a list, got {segments!r}")
     left = state["num_samples"]  # samples not consumed before each segment
     for seg in [*segments, [world, counts]]:
         need(
@@ -307,23 +306,21 @@ def _parse(state: Mapping, where: str) -> dict:
     return {**state, "counts": counts, "segments": [[w, list(c)] for w, c in segments]}
 
 
-class _Adapter:
+class SamplerAdapter:
     """Saves ``state_dict()``; loads every stored value under the sampler's key
-    (every rank's part), whatever this rank's world."""
+    (every rank's part), whatever this rank's world. ``load_target``'s memo
+    for ``apply``: whether the checkpoint holds a sampler state. Registered
+    in :data:`tensorckpt.adapters.registry.BUILTINS`."""
 
-    def save_state(self, obj, ctx):
+    def save_state(self, obj: ResumableSampler, ctx: Context) -> dict:
         return obj.state_dict()
 
-    def load_target(self, obj, stored, ctx):
-        obj._nothing_stored = not stored.values
+    def load_target(self, obj: ResumableSampler, stored: Stored, ctx: Context) -> Target:
         if not stored.values:  # ask for this rank's keys, so load reports them missing
-            return obj.state_dict()
-        return unflatten({split_flat_key(k): None for k in stored.values})
+            return Target(obj.state_dict(), memo=False)
+        return Target(unflatten({split_flat_key(k): None for k in stored.values}), memo=True)
 
-    def apply(self, obj, loaded, ctx):
-        if obj._nothing_stored:  # strict=False, no sampler stored: unchanged
+    def apply(self, obj: ResumableSampler, loaded: Mapping, ctx: Context, held: bool) -> None:
+        if not held:  # strict=False, no sampler stored: unchanged
             return
         obj._load(loaded, repr(key_in_state(obj, ctx.state)))
-
-
-registry.register(ResumableSampler, _Adapter())

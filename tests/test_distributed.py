@@ -1,14 +1,20 @@
 """The save-world x load-world matrix, over real gloo process groups.
 
-Every world is spawned once per phase (process start-up dominates):
+The matrix is split into scenarios (:data:`SCENARIOS`: dt1d, split, rep, big,
+mesh2d, megatron, subgroup, overwrite, idle, bad), each with its own module
+fixture of the same name. The ``matrix`` fixture runs only the scenarios the
+selected tests use, spawning each world once per phase for all of them
+(process start-up dominates):
 
-    save  at world 1, 2, 3        every save case into <base>/s<W>/<case>
+    save  at world 1, 2, 3        each scenario's saves into <base>/s<W>/<case>
     save  at world 4, then load   (the same 4 processes, after a barrier)
-    load  at world 3, 2, 1        every case from every save world
+    load  at world 3, 2, 1        each scenario's loads from every save world
 
-Workers check every element against deterministic originals and return
-per-case results; the tests below assert on them in the parent, so a failure
-names its case (save world, load world, layout, key, rank).
+so ``pytest -k megatron`` spawns only the worlds megatron saves or loads at,
+and runs only its work there. Workers check every element against
+deterministic originals and return per-scenario results; the tests below
+assert on them in the parent, so a failure names its case (save world, load
+world, layout, key, rank), and a scenario that crashes fails only its tests.
 
 Cases: 1-D-mesh DTensors (Shard(0), Shard(1), Replicate; uneven dims, 1-D,
 0-d, bfloat16, int64 with fewer rows than ranks, a zero-size tensor) loaded
@@ -28,8 +34,11 @@ from __future__ import annotations
 import math
 import os
 import sys
+import traceback
 import warnings
 import zlib
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import numpy as np
 import pytest
@@ -313,19 +322,49 @@ def value_meg_slots() -> dict:
     return {"iteration": 0, "args": {"hidden": None, "layers": None}}
 
 
-def save_cases(rank: int, world: int) -> list:
-    cases = [
-        ("dt1d", lambda: dt1d_state(world)),
-        ("split", lambda: split_state(rank, world)),
-        ("split_small", lambda: split_state(rank, world)),
-        ("rep", lambda: rep_state(world)),
-        ("big", lambda: big_state(world)),
-        ("big_small", lambda: big_state(world)),
-    ]
-    if world == 4:
-        cases += [(c, lambda c=c: mesh2d_state(c, world)) for c in MESH_CASES]
-        cases += [("tp2pp2", lambda: meg_state(rank, 2, 2, False)), ("tp4", lambda: meg_state(rank, 4, 1, False))]
-    return cases
+SAVE_CASES = {  # scenario -> its checkpoints (one save each, at every save world of the scenario)
+    "dt1d": ("dt1d",),
+    "split": ("split", "split_small"),
+    "rep": ("rep",),
+    "big": ("big", "big_small"),
+    "mesh2d": MESH_CASES,
+    "megatron": ("tp2pp2", "tp4"),
+}
+SAVE_OPTIONS = {"split_small": {"shard_bytes": 24, "inner_chunk_bytes": 8}, "big_small": {"inner_chunk_bytes": 1024}}
+
+
+def case_state(case: str, rank: int, world: int) -> dict:
+    """The state saved as checkpoint ``case`` (a name of :data:`SAVE_CASES`)."""
+    if case == "dt1d":
+        return dt1d_state(world)
+    if case in ("split", "split_small"):
+        return split_state(rank, world)
+    if case == "rep":
+        return rep_state(world)
+    if case in ("big", "big_small"):
+        return big_state(world)
+    if case in MESH_CASES:
+        return mesh2d_state(case, world)
+    tp, pp = {"tp2pp2": (2, 2), "tp4": (4, 1)}[case]
+    return meg_state(rank, tp, pp, False)
+
+
+def save_cases(scenario: str):
+    """The save of a scenario of :data:`SAVE_CASES`: each of its checkpoints,
+    with the boxes each rank wrote (errors reported per case)."""
+
+    def save(rank: int, world: int, base: str) -> dict:
+        out: dict = {"errors": {}, "writes": {}}
+        for name in SAVE_CASES[scenario]:
+            _WRITES.clear()
+            try:
+                tensorckpt.save(case_state(name, rank, world), f"{base}/s{world}/{name}", **SAVE_OPTIONS.get(name, {}))
+            except Exception as e:  # noqa: BLE001 - reported per case
+                out["errors"][name] = f"{type(e).__name__}: {e}"
+            out["writes"][name] = list(_WRITES)
+        return out
+
+    return save
 
 
 def bad_cases(rank: int, world: int) -> list:
@@ -386,36 +425,28 @@ def idle_cases(world: int, base: str) -> dict:
     return out
 
 
-def save_all(rank: int, world: int, base: str) -> dict:
-    _record_writes()
-    out: dict = {"errors": {}, "writes": {}, "bad": {}}
-    for name, make in save_cases(rank, world):
-        _WRITES.clear()
-        try:
-            opts = {"split_small": {"shard_bytes": 24, "inner_chunk_bytes": 8}, "big_small": {"inner_chunk_bytes": 1024}}
-            opts = opts.get(name, {})
-            tensorckpt.save(make(), f"{base}/s{world}/{name}", **opts)
-        except Exception as e:  # noqa: BLE001 - reported per case
-            out["errors"][name] = f"{type(e).__name__}: {e}"
-        out["writes"][name] = list(_WRITES)
-    if world == 4:  # a save over a subgroup: global ranks 2 and 3 only
-        import torch.distributed as tdist
+def save_subgroup(rank: int, world: int, base: str) -> dict:
+    """A save over a subgroup: global ranks 2 and 3 only (world 4)."""
+    import torch.distributed as tdist
 
-        pg = tdist.new_group([2, 3])
-        if rank in (2, 3):
-            try:
-                tensorckpt.save(subgroup_state(rank - 2, fill=False), f"{base}/s4/subgroup", process_group=pg)
-            except Exception as e:  # noqa: BLE001
-                out["errors"]["subgroup"] = f"{type(e).__name__}: {e}"
-    if world > 1:
-        out["ow"] = overwrite_cases(rank, world, f"{base}/s{world}/ow")
-        out["idle"] = idle_cases(world, base)
-        for name, state in bad_cases(rank, world):
-            try:
-                tensorckpt.save(state, f"{base}/s{world}/{name}")
-                out["bad"][name] = None
-            except Exception as e:  # noqa: BLE001
-                out["bad"][name] = (type(e).__name__, str(e))
+    out: dict = {"errors": {}}
+    pg = tdist.new_group([2, 3])
+    if rank in (2, 3):
+        try:
+            tensorckpt.save(subgroup_state(rank - 2, fill=False), f"{base}/s4/subgroup", process_group=pg)
+        except Exception as e:  # noqa: BLE001
+            out["errors"]["subgroup"] = f"{type(e).__name__}: {e}"
+    return out
+
+
+def save_bad(rank: int, world: int, base: str) -> dict:
+    out = {}
+    for name, state in bad_cases(rank, world):
+        try:
+            tensorckpt.save(state, f"{base}/s{world}/{name}")
+            out[name] = None
+        except Exception as e:  # noqa: BLE001
+            out[name] = (type(e).__name__, str(e))
     return out
 
 
@@ -580,46 +611,159 @@ def load_subgroup(c: Checks, rank: int, base: str, world: int) -> None:
     c.values(group, "load", state, values("subgroup", 2))
 
 
-def load_all(rank: int, world: int, base: str) -> dict:
-    c = Checks()
-    stats = {}
-    for S in SAVE_WORLDS:
-        load_dt1d(c, base, S, world)
-        load_split(c, rank, base, S, world)
-        load_rep(c, base, S, world)
-        stats[S] = load_big(c, base, S, world)
-    load_mesh2d(c, base, world)
-    load_megatron(c, rank, base, world)
-    load_subgroup(c, rank, base, world)
-    return {"checks": c.rows, "stats": stats}
+def each_save_world(load_one):
+    """A scenario's load: ``load_one`` from the checkpoint of every save world;
+    its results (if any) by save world."""
+
+    def load(c: Checks, rank: int, base: str, world: int) -> dict:
+        return {S: load_one(c, rank, base, S, world) for S in SAVE_WORLDS}
+
+    return load
 
 
-def save_then_load(rank: int, world: int, base: str) -> tuple:
+# ------------------------------------------------------------------ scenarios
+
+
+@dataclass(frozen=True)
+class Scenario:
+    """One part of the matrix: ``save(rank, world, base)`` at each save world
+    (its result per rank), then ``load(checks, rank, base, world)`` at each
+    load world (the checks and its result per rank)."""
+
+    save_worlds: tuple[int, ...]
+    save: Callable[[int, int, str], object]
+    load_worlds: tuple[int, ...] = ()
+    load: Callable[[Checks, int, str, int], object] | None = None
+
+
+SCENARIOS = {  # in the order every rank runs them
+    "dt1d": Scenario(SAVE_WORLDS, save_cases("dt1d"), LOAD_WORLDS,
+                     each_save_world(lambda c, rank, base, S, world: load_dt1d(c, base, S, world))),
+    "split": Scenario(SAVE_WORLDS, save_cases("split"), LOAD_WORLDS, each_save_world(load_split)),
+    "rep": Scenario(SAVE_WORLDS, save_cases("rep"), LOAD_WORLDS,
+                    each_save_world(lambda c, rank, base, S, world: load_rep(c, base, S, world))),
+    "big": Scenario(SAVE_WORLDS, save_cases("big"), LOAD_WORLDS,
+                    each_save_world(lambda c, rank, base, S, world: load_big(c, base, S, world))),
+    "mesh2d": Scenario((4,), save_cases("mesh2d"), LOAD_WORLDS, lambda c, rank, base, world: load_mesh2d(c, base, world)),
+    "megatron": Scenario((4,), save_cases("megatron"), tuple(MEG_LOADS), load_megatron),
+    "subgroup": Scenario((4,), save_subgroup, LOAD_WORLDS, load_subgroup),
+    "overwrite": Scenario((2, 3, 4), lambda rank, world, base: overwrite_cases(rank, world, f"{base}/s{world}/ow")),
+    "idle": Scenario((2, 3, 4), lambda rank, world, base: idle_cases(world, base)),
+    "bad": Scenario((2, 3, 4), save_bad),
+}
+
+
+def run_world(rank: int, world: int, base: str, names: list[str], phases: tuple[str, ...]) -> dict:
+    """One spawned world: the ``save`` and/or ``load`` phase (a barrier between)
+    of the scenarios ``names``. A scenario that raises is reported as crashed
+    ({"crashed": traceback}); the others still run."""
     import torch.distributed as tdist
 
-    saved = save_all(rank, world, base)
-    tdist.barrier()
-    return saved, load_all(rank, world, base)
+    _record_writes()
+    out: dict = {name: {} for name in names}
+    for phase in phases:
+        if phase == "load" and "save" in phases:
+            tdist.barrier()
+        for name in names:
+            sc = SCENARIOS[name]
+            if world not in (sc.save_worlds if phase == "save" else sc.load_worlds):
+                continue
+            try:
+                if phase == "save":
+                    out[name]["save"] = sc.save(rank, world, base)
+                else:
+                    c = Checks()
+                    extra = sc.load(c, rank, base, world)
+                    out[name]["load"] = {"checks": c.rows, "extra": extra}
+            except Exception:  # noqa: BLE001 - reported as this scenario's failure
+                out[name][phase] = {"crashed": traceback.format_exc()}
+    return out
 
 
 # ------------------------------------------------------------------ parent
 
 
+@dataclass
+class Runs:
+    """One scenario's results: per save world, per rank, what its save
+    returned; per load world, per rank, its checks and load result."""
+
+    name: str
+    base: str
+    saves: dict[int, list] = field(default_factory=dict)
+    loads: dict[int, list] = field(default_factory=dict)
+    crashes: list[str] = field(default_factory=list)
+
+
+def needed(item) -> set[str]:
+    """The scenarios a test uses: fixtures named after one, or a ``scenario`` parameter."""
+    names = {f for f in getattr(item, "fixturenames", ()) if f in SCENARIOS}
+    if "scenario" in getattr(item, "fixturenames", ()):
+        names.add(item.callspec.params["scenario"])
+    return names
+
+
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
+def matrix(request, tmp_path_factory) -> dict[str, Runs]:
+    """The scenarios the selected tests of this module use, each world spawned
+    at most once per phase (process start-up dominates):
+
+        save at world 1, 2, 3;  save then load at world 4;  load at world 3, 2, 1
+    """
+    items = [i for i in request.session.items if getattr(i, "module", None) is request.module]
+    names = [n for n in SCENARIOS if any(n in needed(i) for i in items)]
     base = str(tmp_path_factory.mktemp("matrix"))
-    saves, loads = {}, {}
-    for w in (1, 2, 3):
-        saves[w] = dist.run(w, save_all, base)
-    both = dist.run(4, save_then_load, base)
-    saves[4] = [s for s, _ in both]
-    loads[4] = [ld for _, ld in both]
-    for w in (3, 2, 1):
-        loads[w] = dist.run(w, load_all, base)
-    return base, saves, loads
+    runs = {name: Runs(name, base) for name in names}
+    steps = [(w, ("save",)) for w in (1, 2, 3)] + [(4, ("save", "load"))] + [(w, ("load",)) for w in (3, 2, 1)]
+    for world, phases in steps:
+        here = [n for n in names if any(world in (SCENARIOS[n].save_worlds if p == "save" else SCENARIOS[n].load_worlds)
+                                         for p in phases)]
+        if not here:
+            continue
+        try:
+            results = dist.run(world, run_world, base, here, phases)
+        except Exception as e:  # noqa: BLE001 - a worker died or hung: every scenario of this run fails
+            for n in here:
+                runs[n].crashes.append(f"world {world} {'+'.join(phases)}: {e}")
+            continue
+        for n in here:
+            for phase, into in (("save", runs[n].saves), ("load", runs[n].loads)):
+                per_rank = [res[n].get(phase) for res in results]
+                if per_rank[0] is None:
+                    continue
+                crashed = [f"rank {r} of {world}, {phase}:\n{x['crashed']}" for r, x in enumerate(per_rank)
+                           if isinstance(x, dict) and "crashed" in x]
+                runs[n].crashes += crashed
+                into[world] = per_rank
+    return runs
 
 
-def group_results(loads, world: int, group: str) -> tuple[int, list[str]]:
+def scenario_runs(matrix: dict[str, Runs], name: str) -> Runs:
+    runs = matrix[name]
+    if runs.crashes:
+        pytest.fail(f"scenario {name!r} crashed:\n" + "\n".join(runs.crashes), pytrace=False)
+    return runs
+
+
+def _scenario_fixture(name: str):
+    @pytest.fixture(scope="module", name=name)
+    def fixture(matrix: dict[str, Runs]) -> Runs:
+        return scenario_runs(matrix, name)
+
+    return fixture
+
+
+for _name in SCENARIOS:  # one module fixture per scenario, named after it (dt1d, split, ...)
+    globals()[f"_fixture_{_name}"] = _scenario_fixture(_name)
+
+
+@pytest.fixture(scope="module")
+def scenario(request, matrix: dict[str, Runs]) -> Runs:
+    """The scenario named by an indirect ``scenario`` parameter."""
+    return scenario_runs(matrix, request.param)
+
+
+def group_results(loads: dict[int, list], world: int, group: str) -> tuple[int, list[str]]:
     n, bad = 0, []
     for rank, res in enumerate(loads[world]):
         for g, case, err in res["checks"]:
@@ -630,9 +774,8 @@ def group_results(loads, world: int, group: str) -> tuple[int, list[str]]:
     return n, bad
 
 
-def assert_group(runs, world: int, group: str) -> None:
-    _, _, loads = runs
-    n, bad = group_results(loads, world, group)
+def assert_group(runs: Runs, world: int, group: str) -> None:
+    n, bad = group_results(runs.loads, world, group)
     assert n, f"{group}: no checks ran"
     assert not bad, f"{group}: {len(bad)} of {n} checks failed:\n  " + "\n  ".join(bad[:40])
 
@@ -641,20 +784,25 @@ MATRIX = [(s, l) for s in SAVE_WORLDS for l in LOAD_WORLDS]
 MATRIX_IDS = [f"save{s}-load{l}" for s, l in MATRIX]
 
 
-@pytest.mark.parametrize("S", SAVE_WORLDS, ids=lambda s: f"save{s}")
-def test_saves_commit(runs, S):
-    base, saves, _ = runs
+SAVED = [(name, S) for name in SAVE_CASES for S in SCENARIOS[name].save_worlds]  # (scenario, save world)
+SAVED_IDS = [f"{name}-save{S}" for name, S in SAVED]
+
+
+@pytest.mark.parametrize("scenario,S", SAVED, ids=SAVED_IDS, indirect=["scenario"])
+def test_saves_commit(scenario, S):
+    saves = scenario.saves
     errors = [f"rank {r}: {case}: {e}" for r, res in enumerate(saves[S]) for case, e in res["errors"].items()]
     assert not errors, "\n".join(errors)
-    for case, _ in save_cases(0, S):
-        ck = tensorckpt.open(f"{base}/s{S}/{case}")
+    assert set(saves[S][0]["writes"]) == set(SAVE_CASES[scenario.name])
+    for case in saves[S][0]["writes"]:
+        ck = tensorckpt.open(f"{scenario.base}/s{S}/{case}")
         assert ck.metadata.world_size == S
 
 
 @pytest.mark.parametrize("S", [2, 3, 4], ids=lambda s: f"save{s}")
-def test_overwrite(runs, S):
-    base, saves, _ = runs
-    assert [res["ow"]["again"] for res in saves[S]] == ["CheckpointExistsError"] * S
+def test_overwrite(overwrite, S):
+    base, saves = overwrite.base, overwrite.saves
+    assert [res["again"] for res in saves[S]] == ["CheckpointExistsError"] * S
     ck = tensorckpt.open(f"{base}/s{S}/ow")
     assert torch.equal(ck.read("x"), original("ow/x", (10, 3), torch.float32) + 3)
     assert ck.read("gen") == 3
@@ -663,23 +811,24 @@ def test_overwrite(runs, S):
 
 
 @pytest.mark.parametrize("S", [2, 3, 4], ids=lambda s: f"save{s}")
-def test_rank_with_nothing_to_write_can_save(runs, S):
+def test_rank_with_nothing_to_write_can_save(idle, S):
     """Regression: every rank used to sync the staging directory, which only
     exists once some rank's write created it; an idle rank got there first
     (FileNotFoundError) whenever the writer was slower."""
-    base, saves, _ = runs
-    errors = [f"rank {r}: {case}: {e}" for r, res in enumerate(saves[S]) for case, e in res["idle"].items() if e]
+    base, saves = idle.base, idle.saves
+    errors = [f"rank {r}: {case}: {e}" for r, res in enumerate(saves[S]) for case, e in res.items() if e]
     assert not errors, "\n".join(errors)
-    for case in saves[S][0]["idle"]:
+    assert len(saves[S][0]) == 2
+    for case in saves[S][0]:
         assert torch.equal(tensorckpt.open(f"{base}/s{S}/{case}").read("t"), original("idle/t", (3,), torch.float32))
 
 
-@pytest.mark.parametrize("S", SAVE_WORLDS, ids=lambda s: f"save{s}")
-def test_every_stored_object_has_one_writer(runs, S):
+@pytest.mark.parametrize("scenario,S", SAVED, ids=SAVED_IDS, indirect=["scenario"])
+def test_every_stored_object_has_one_writer(scenario, S):
     """Across ranks, each (key, box) is written once, and the written boxes
     of every tensor tile it (checked against the index's chunk grid)."""
-    base, saves, _ = runs
-    for case, _ in save_cases(0, S):
+    base, saves = scenario.base, scenario.saves
+    for case in SAVE_CASES[scenario.name]:
         writes = [(k, tuple(o), tuple(s), r) for r, res in enumerate(saves[S]) for k, o, s in res["writes"][case]]
         seen = {}
         for k, o, s, r in writes:
@@ -698,10 +847,10 @@ def test_every_stored_object_has_one_writer(runs, S):
 
 
 @pytest.mark.parametrize("S", [2, 3, 4], ids=lambda s: f"save{s}")
-def test_bad_layouts_rejected_on_every_rank(runs, S):
-    base, saves, _ = runs
+def test_bad_layouts_rejected_on_every_rank(bad, S):
+    base, saves = bad.base, bad.saves
     for case in ("bad_overlap", "bad_shape"):
-        got = [res["bad"][case] for res in saves[S]]
+        got = [res[case] for res in saves[S]]
         for r, err in enumerate(got):
             assert err is not None, f"{case}: rank {r} of {S} saved an invalid layout"
             assert err[0] == "IncompatibleStateError", f"{case}: rank {r}: {err}"
@@ -711,10 +860,10 @@ def test_bad_layouts_rejected_on_every_rank(runs, S):
 
 
 @pytest.mark.parametrize("S", SAVE_WORLDS, ids=lambda s: f"save{s}")
-def test_save_options_honored(runs, S):
+def test_save_options_honored(split, big, S):
     """split_small / big_small repeat a layout just saved, with other
     shard_bytes / inner_chunk_bytes: their chunking follows the options."""
-    base = runs[0]
+    base = split.base
 
     def entries(case):
         return tensorckpt.open(f"{base}/s{S}/{case}").index.tensors
@@ -731,77 +880,77 @@ def test_save_options_honored(runs, S):
 
 
 @pytest.mark.parametrize("S,L", MATRIX, ids=MATRIX_IDS)
-def test_dtensor_1d_matrix(runs, S, L):
-    assert_group(runs, L, f"dt1d/s{S}-l{L}")
+def test_dtensor_1d_matrix(dt1d, S, L):
+    assert_group(dt1d, L, f"dt1d/s{S}-l{L}")
 
 
 @pytest.mark.parametrize("S,L", MATRIX, ids=MATRIX_IDS)
-def test_sharded_irregular_matrix(runs, S, L):
+def test_sharded_irregular_matrix(split, S, L):
     """np.array_split-style ShardedTensor boxes (rows 4,3,3 at world 3), loaded
     by columns and by a different row split (7,3 at world 2)."""
     if S == 3:  # boxes at rows 0, 4, 7: the gcd grid would be 1 row (10 objects); chunks of
         # the largest box, 4 rows, instead (3 objects), row 7 sent to the writer of rows 4-7
-        assert tensorckpt.open(f"{runs[0]}/s3/split").info("model/x").chunk_shape == (4, 5)
-    assert_group(runs, L, f"split/s{S}-l{L}")
+        assert tensorckpt.open(f"{split.base}/s3/split").info("model/x").chunk_shape == (4, 5)
+    assert_group(split, L, f"split/s{S}-l{L}")
 
 
 @pytest.mark.parametrize("S,L", MATRIX, ids=MATRIX_IDS)
-def test_replicated_plain_matrix(runs, S, L):
-    assert_group(runs, L, f"rep/s{S}-l{L}")
+def test_replicated_plain_matrix(rep, S, L):
+    assert_group(rep, L, f"rep/s{S}-l{L}")
 
 
 @pytest.mark.parametrize("S,L", MATRIX, ids=MATRIX_IDS)
-def test_big_matrix(runs, S, L):
-    assert_group(runs, L, f"big/s{S}-l{L}")
+def test_big_matrix(big, S, L):
+    assert_group(big, L, f"big/s{S}-l{L}")
 
 
 @pytest.mark.parametrize("case", MESH_CASES)
 @pytest.mark.parametrize("L", LOAD_WORLDS, ids=lambda l: f"load{l}")
-def test_mesh_2d(runs, case, L):
-    assert_group(runs, L, f"mesh2d/{case}-l{L}")
+def test_mesh_2d(mesh2d, case, L):
+    assert_group(mesh2d, L, f"mesh2d/{case}-l{L}")
 
 
 MEG_CASES = [(L, src, tp, pp) for L, lst in MEG_LOADS.items() for src, tp, pp in lst]
 
 
 @pytest.mark.parametrize("L,src,tp,pp", MEG_CASES, ids=[f"{s}->tp{t}pp{p}" for _, s, t, p in MEG_CASES])
-def test_megatron_tp_pp(runs, L, src, tp, pp):
-    assert_group(runs, L, f"megatron/{src}->tp{tp}pp{pp}")
+def test_megatron_tp_pp(megatron, L, src, tp, pp):
+    assert_group(megatron, L, f"megatron/{src}->tp{tp}pp{pp}")
 
 
 @pytest.mark.parametrize("L", LOAD_WORLDS, ids=lambda l: f"load{l}")
-def test_subgroup_save_and_load(runs, L):
+def test_subgroup_save_and_load(subgroup, L):
     """save(process_group=new_group([2, 3])) at world 4; load over
     new_group([1, 3]) at world 4 and without a group elsewhere."""
-    base, saves, _ = runs
+    base, saves = subgroup.base, subgroup.saves
     errors = [e for res in saves[4] for case, e in res["errors"].items() if case == "subgroup"]
     assert not errors, errors
     assert tensorckpt.open(f"{base}/s4/subgroup").metadata.world_size == 2
-    assert_group(runs, L, f"subgroup-l{L}")
+    assert_group(subgroup, L, f"subgroup-l{L}")
 
 
 @pytest.mark.parametrize("S", SAVE_WORLDS, ids=lambda s: f"save{s}")
-def test_replicated_writes_spread(runs, S):
+def test_replicated_writes_spread(rep, S):
     """8 equal plain tensors replicated on S ranks: at most ceil(8/S) per rank."""
-    _, saves, _ = runs
+    saves = rep.saves
     per_rank = [len(res["writes"]["rep"]) for res in saves[S]]
     assert sum(per_rank) == len(REP)
     assert max(per_rank) <= -(-len(REP) // S), per_rank
 
 
-def test_hsdp_writes_spread(runs):
+def test_hsdp_writes_spread(mesh2d):
     """[Replicate(), Shard(0)] on 2x2: each row half has 2 replicas; 4 equal
     tensors -> 8 boxes, 2 per rank (every rank writes)."""
-    _, saves, _ = runs
+    saves = mesh2d.saves
     per_rank = [sum(1 for k, _, _ in res["writes"]["hsdp"] if k.startswith("model/h")) for res in saves[4]]
     assert per_rank == [2, 2, 2, 2], per_rank
 
 
 @pytest.mark.parametrize("L", LOAD_WORLDS, ids=lambda l: f"load{l}")
-def test_values_returned_to_every_rank(runs, L):
-    _, _, loads = runs
-    for rank, res in enumerate(loads[L]):
-        rows = [(g, c, e) for g, c, e in res["checks"] if c.endswith(" values")]
+def test_values_returned_to_every_rank(dt1d, split, rep, mesh2d, megatron, subgroup, L):
+    loaded = [runs.loads[L] for runs in (dt1d, split, rep, mesh2d, megatron, subgroup) if L in runs.loads]
+    for rank in range(L):
+        rows = [(g, c, e) for per_rank in loaded for g, c, e in per_rank[rank]["checks"] if c.endswith(" values")]
         assert len(rows) >= 4 * len(SAVE_WORLDS), f"rank {rank}: only {len(rows)} value checks"
         bad = [f"{g}: {c}: {e}" for g, c, e in rows if e]
         assert not bad, f"rank {rank} of {L}:\n" + "\n".join(bad)
@@ -817,21 +966,20 @@ def _edge_padded_amplification(S: int, rank: int) -> float:
 
 
 @pytest.mark.parametrize("S", SAVE_WORLDS, ids=lambda s: f"save{s}")
-def test_load_stats_same_world(runs, S):
-    _, _, loads = runs
-    for rank, res in enumerate(loads[S]):
-        need, got, amp = res["stats"][S]["big", "S0"]
+def test_load_stats_same_world(big, S):
+    for rank, res in enumerate(big.loads[S]):
+        need, got, amp = res["extra"][S]["big", "S0"]
         rows = -(-BIG[0] // S)
         assert need == max(0, min(BIG[0], (rank + 1) * rows) - rank * rows) * BIG[1] * 4, (rank, need)
         assert amp == pytest.approx(_edge_padded_amplification(S, rank)), (rank, need, got, amp)
         if BIG[0] % S == 0:
             assert amp == 1.0
-        assert res["stats"][S]["big_small", "S0"][2] == amp  # inner chunks split the box evenly
+        assert res["extra"][S]["big_small", "S0"][2] == amp  # inner chunks split the box evenly
 
 
-def test_load_stats_reshard_report(runs):
+def test_load_stats_reshard_report(big):
     """Report (loosely bound) the read amplification of every reshard."""
-    _, _, loads = runs
+    loads = big.loads
     lines = [
         "read amplification loading a [64, 64] float32 Shard(0) checkpoint (max over ranks), "
         "default inner chunks | inner_chunk_bytes=1024:"
@@ -844,7 +992,7 @@ def test_load_stats_reshard_report(runs):
             for variant in ("S0", "S1"):
                 amps = {}
                 for src in ("big", "big_small"):
-                    per_rank = [res["stats"][S][src, variant] for res in loads[L]]
+                    per_rank = [res["extra"][S][src, variant] for res in loads[L]]
                     for need, got, amp in per_rank:
                         assert need <= got <= stored and amp >= 1.0, (S, L, src, variant, per_rank)
                     amps[src] = max(a for _, _, a in per_rank)
@@ -855,9 +1003,9 @@ def test_load_stats_reshard_report(runs):
 
 
 @pytest.mark.parametrize("S", SAVE_WORLDS, ids=lambda s: f"save{s}")
-def test_open_reads_slices(runs, S):
+def test_open_reads_slices(dt1d, split, S):
     """tensorckpt.open() on a distributed checkpoint in this single process."""
-    base = runs[0]
+    base = dt1d.base
     rng = np.random.default_rng(S)
     ck = tensorckpt.open(f"{base}/s{S}/dt1d")
     assert ck.read("step") == 100 + S
@@ -877,12 +1025,14 @@ def test_open_reads_slices(runs, S):
                 got = ck.read(f"{g}/{k}", index=tuple(idx))
                 exp = orig[tuple(idx)]
                 assert torch.equal(got, exp), f"{g}/{k}{list(s)}[{idx}]: {got} != {exp}"
-    for case in ("split", "tp2pp2") if S == 4 else ("split",):
-        whole = tensorckpt.open(f"{base}/s{S}/{case}").to_state_dict()
-        if case == "split":
-            for k, (s, dt) in SPLIT.items():
-                assert torch.equal(whole["model"][k], original(k, s, dt)), k
-        else:
-            for key, (s, dt, _, _) in MEG.items():
-                assert torch.equal(whole["model"][key], original(f"meg/{key}", s, dt)), key
-            assert whole["iteration"] == 1000
+    whole = tensorckpt.open(f"{base}/s{S}/split").to_state_dict()
+    for k, (s, dt) in SPLIT.items():
+        assert torch.equal(whole["model"][k], original(k, s, dt)), k
+
+
+def test_open_reads_megatron_whole(megatron):
+    """tensorckpt.open() of the TP=2/PP=2 checkpoint: every tensor whole."""
+    whole = tensorckpt.open(f"{megatron.base}/s4/tp2pp2").to_state_dict()
+    for key, (s, dt, _, _) in MEG.items():
+        assert torch.equal(whole["model"][key], original(f"meg/{key}", s, dt)), key
+    assert whole["iteration"] == 1000

@@ -331,6 +331,52 @@ def test_register_adapter_is_public():
     assert tensorckpt.register_adapter is registry.register
 
 
+def test_builtin_adapters_in_one_order_and_user_ones_first(mem_url):
+    """The built-ins come from registry.BUILTINS, in that order; a registered
+    adapter overrides them; a load leaves nothing on the objects (what apply
+    needs comes back from load_target as a Target)."""
+    from tensorckpt.data import ResumableSampler
+
+    kinds = [t for t, _ in registry.BUILTINS]
+    assert kinds.index(ResumableSampler) < kinds.index((nn.Module, tensorckpt.adapters.names.Renamed))
+    rng, sampler, pr = tensorckpt.rng_state(), ResumableSampler(10), tensorckpt.per_rank({"n": 1})
+    url = mem_url()
+    tensorckpt.save({"rng": rng, "data": sampler, "pr": pr}, url)
+    before = [set(vars(o)) for o in (rng, sampler, pr)]
+    tensorckpt.load({"rng": rng, "data": sampler, "pr": pr}, url)
+    assert [set(vars(o)) for o in (rng, sampler, pr)] == before
+
+    class Marker(nn.Linear):
+        pass
+
+    seen = []
+
+    class MarkerAdapter:
+        def save_state(self, obj, ctx):
+            return {"w": obj.weight.detach()}
+
+        def load_target(self, obj, stored, ctx):
+            return registry.Target({"w": torch.empty(2, 2)}, memo=sorted(stored.tensors))
+
+        def apply(self, obj, loaded, ctx, memo):
+            seen.append(memo)
+            with torch.no_grad():
+                obj.weight.copy_(loaded["w"])
+
+    saved_user = list(registry._USER)
+    try:
+        tensorckpt.register_adapter(Marker, MarkerAdapter())
+        m = Marker(2, 2)
+        url = mem_url()
+        tensorckpt.save({"m": m}, url)
+        assert tensorckpt.open(url).keys() == ["m/w"]
+        fresh = Marker(2, 2)
+        tensorckpt.load({"m": fresh}, url)
+        assert seen == [["w"]] and torch.equal(fresh.weight, m.weight)
+    finally:
+        registry._USER[:] = saved_user
+
+
 def test_optimizer_state_entry_holding_tensors_is_refused(tmp_path):
     model = torch.nn.Linear(2, 2)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)

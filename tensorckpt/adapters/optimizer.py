@@ -46,8 +46,8 @@ import torch
 
 from ..errors import IncompatibleStateError, UnsupportedValueError
 from ..format.metadata import TensorEntry
+from .base import Context, Stored
 from .names import Renamed, module_of, namer, sharded_fsdp1
-from .registry import Context, Stored, register
 from .torch_objects import CLASS, check_class, dtype_of, names_list, tree, where_in
 
 GROUP_OF, GROUPS, STATE, LEGACY_GROUPS = "group_of", "groups", "state", "param_groups"
@@ -324,5 +324,3 @@ def _like(value, current):
         return tuple(value)
     return value
 
-
-register(torch.optim.Optimizer, OptimizerAdapter())

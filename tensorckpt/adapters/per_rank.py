@@ -18,12 +18,13 @@ value.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import torch
 
 from ..errors import CorruptCheckpointError, IncompatibleStateError, UnsupportedValueError
 from ..format.keys import split_flat_key
-from . import registry
-from .rng import key_in_state
+from .base import Context, Stored, Target, key_in_state
 from .sharded import ShardedTensor, is_tensor_leaf
 from .state import unflatten
 
@@ -41,7 +42,6 @@ class PerRank:
                 "already says which part each rank holds"
             )
         self.value = value
-        self._rows: int | None = None  # the saved world, set by load_target (None: nothing stored)
 
     def __repr__(self) -> str:
         return f"tensorckpt.per_rank({self.value!r})"
@@ -53,23 +53,26 @@ def per_rank(value: object) -> PerRank:
     return PerRank(value)
 
 
-class _Adapter:
-    def save_state(self, obj: PerRank, ctx):
+class PerRankAdapter:
+    """Rank r's row in, rank r's row out; ``load_target``'s memo for
+    ``apply``: the saved world (None: nothing stored)."""
+
+    def save_state(self, obj: PerRank, ctx: Context) -> dict:
         v = obj.value
         if isinstance(v, torch.Tensor):
             t = v.detach()
             return {ROWS: ShardedTensor(t.unsqueeze(0), (ctx.world, *t.shape), (ctx.rank,) + (0,) * t.dim())}
         return {str(ctx.rank): v}
 
-    def load_target(self, obj: PerRank, stored, ctx):
+    def load_target(self, obj: PerRank, stored: Stored, ctx: Context) -> Target:
         key = key_in_state(obj, ctx.state)
         v = obj.value
         if isinstance(v, torch.Tensor):
             entry = stored.tensors.get(ROWS)
             shape = tuple(v.shape)
             if entry is None:  # nothing stored: ask for this world's row, so load reports the key missing
-                obj._rows = None
-                return {ROWS: ShardedTensor(torch.zeros((1, *shape), dtype=v.dtype), (ctx.world, *shape), (ctx.rank,) + (0,) * len(shape))}
+                local = torch.zeros((1, *shape), dtype=v.dtype)
+                return Target({ROWS: ShardedTensor(local, (ctx.world, *shape), (ctx.rank,) + (0,) * len(shape))}, None)
             if len(entry.shape) != len(shape) + 1:
                 raise IncompatibleStateError(
                     f"{key!r}: per-rank tensor stored as {list(entry.shape)}; the state's rows are {list(shape)}, "
@@ -77,23 +80,20 @@ class _Adapter:
                 )
             rows = entry.shape[0]
             _check_world(key, rows, ctx)
-            obj._rows = rows
             mine = ctx.rank < rows
             local = torch.zeros((1 if mine else 0, *entry.shape[1:]), dtype=v.dtype)
-            return {ROWS: ShardedTensor(local, tuple(entry.shape), ((ctx.rank if mine else 0),) + (0,) * len(shape))}
+            return Target({ROWS: ShardedTensor(local, tuple(entry.shape), ((ctx.rank if mine else 0),) + (0,) * len(shape))}, rows)
         if not stored.values:
-            obj._rows = None
-            return {str(ctx.rank): v}
+            return Target({str(ctx.rank): v}, None)
         ranks = {split_flat_key(k)[0] for k in stored.values}
         rows = len(ranks)
         if ranks != {str(r) for r in range(rows)}:
             raise CorruptCheckpointError(f"{key!r}: per-rank values are stored for ranks {sorted(ranks)}, not 0 .. n-1")
         _check_world(key, rows, ctx)
-        obj._rows = rows
-        return unflatten({split_flat_key(k): None for k in stored.values})  # every row: the keys match on every rank
+        return Target(unflatten({split_flat_key(k): None for k in stored.values}), rows)  # every row: the keys match on every rank
 
-    def apply(self, obj: PerRank, loaded, ctx):
-        if obj._rows is None or ctx.rank >= obj._rows:  # nothing stored, or no row for this rank (strict=False)
+    def apply(self, obj: PerRank, loaded: Mapping, ctx: Context, rows: int | None) -> None:
+        if rows is None or ctx.rank >= rows:  # nothing stored, or no row for this rank (strict=False)
             return
         if isinstance(obj.value, torch.Tensor):
             with torch.no_grad():
@@ -102,7 +102,7 @@ class _Adapter:
             obj.value = loaded[str(ctx.rank)]
 
 
-def _check_world(key: str, rows: int, ctx) -> None:
+def _check_world(key: str, rows: int, ctx: Context) -> None:
     if rows != ctx.world and ctx.strict:
         raise IncompatibleStateError(
             f"{key!r}: per-rank data saved by {rows} ranks, loaded by {ctx.world}; per-rank data has no rule "
@@ -110,5 +110,3 @@ def _check_world(key: str, rows: int, ctx) -> None:
             f"{rows} their row and leave the others' values unchanged"
         )
 
-
-registry.register(PerRank, _Adapter())

@@ -2,84 +2,69 @@
 
 A state given to ``save``/``load`` may hold, at any depth, objects that are
 not tensors or data: a ``torch.nn.Module``, an optimizer, an LR scheduler, a
-dataloader, :func:`tensorckpt.rng_state`. An *adapter* turns such an object
-into a plain state (dicts of tensors and data) when saving, says what to
-read for it when loading, and puts the loaded state back into it.
+dataloader, :func:`tensorckpt.rng_state`. An *adapter* (:class:`~.base.Adapter`)
+turns such an object into a plain state (dicts of tensors and data) when
+saving, says what to read for it when loading, and puts the loaded state back
+into it.
 
-Adapters are registered in one place (:func:`register`); the first whose
-``match`` accepts an object wins, the generic one (anything with
-``state_dict()`` and ``load_state_dict()``) comes last. A new framework adds
-one module that calls :func:`register`.
+Which adapter an object gets is decided here, in this order: adapters the
+user registered (:func:`register`, the latest first), then the built-in ones
+in the order of :data:`BUILTINS` (the first whose type matches wins), then the
+generic one (anything with ``state_dict()`` and ``load_state_dict()``). The
+engines call :func:`for_save` and :func:`for_load`. A new built-in adapter is
+a module that imports :mod:`.base` and one line in :data:`BUILTINS`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, MutableMapping
-from dataclasses import dataclass, field
-from typing import Protocol
 
 import torch
 
+from ..data import ResumableSampler, SamplerAdapter
 from ..format.keys import flat_key
-from ..format.metadata import RootMetadata, TensorEntry
+from ..format.metadata import RootMetadata
+from .base import Adapter, AnyAdapter, Context, MemoAdapter, Stored, Target
+from .names import Renamed
+from .optimizer import OptimizerAdapter
+from .per_rank import PerRank, PerRankAdapter
+from .rng import RNGAdapter, RNGState
 from .sharded import is_tensor_leaf
+from .torch_objects import ModuleAdapter, SchedulerAdapter
+
+__all__ = ["BUILTINS", "Adapter", "AnyAdapter", "Context", "MemoAdapter", "Stored", "Target", "adapter_for", "for_load", "for_save", "register"]
+
+BUILTINS: tuple[tuple[type | tuple[type, ...], AnyAdapter], ...] = (
+    # first match wins; the types are disjoint today, specific ones would go first
+    (ResumableSampler, SamplerAdapter()),
+    (PerRank, PerRankAdapter()),
+    (RNGState, RNGAdapter()),
+    (torch.optim.Optimizer, OptimizerAdapter()),
+    (torch.optim.lr_scheduler.LRScheduler, SchedulerAdapter()),
+    ((torch.nn.Module, Renamed), ModuleAdapter()),
+)
+
+_USER: list[tuple[Callable[[object], bool], AnyAdapter]] = []  # register(): the latest first
 
 
-@dataclass(frozen=True)
-class Context:
-    """What an adapter may look at besides its object: the whole state (an
-    optimizer finds its parameters' names in the modules beside it), and this
-    process's rank and world size; for a load, its ``strict`` and ``partial``."""
-
-    state: Mapping
-    rank: int = 0
-    world: int = 1
-    strict: bool = True  # load(strict=...): name mismatches are errors
-    partial: bool = False  # load(partial=...): the checkpoint may hold more than the state names
-
-
-@dataclass(frozen=True)
-class Stored:
-    """The part of a checkpoint under one object's key: tensor entries and
-    values by flat key relative to the object (``"layers.0.weight"``,
-    ``"state/fc.weight/exp_avg"``)."""
-
-    tensors: dict[str, TensorEntry] = field(default_factory=dict)
-    values: dict[str, object] = field(default_factory=dict)
-
-
-class Adapter(Protocol):
-    def save_state(self, obj, ctx: Context) -> Mapping:
-        """The plain state to save for ``obj``."""
-
-    def load_target(self, obj, stored: Stored, ctx: Context) -> Mapping:
-        """The plain state to load into for ``obj`` (its tensors say which
-        shape, dtype and shard they want); ``stored`` is what the checkpoint
-        holds under the object's key."""
-
-    def apply(self, obj, loaded: Mapping, ctx: Context) -> None:
-        """Put the loaded plain state (``load_target``'s, filled) into ``obj``."""
-
-
-_ADAPTERS: list[tuple[Callable[[object], bool], Adapter]] = []
-_BUILTINS_LOADED = False
-
-
-def register(match: type | tuple | Callable[[object], bool], adapter: Adapter) -> None:
+def register(match: type | tuple | Callable[[object], bool], adapter: AnyAdapter) -> None:
     """Use ``adapter`` for objects that are instances of ``match`` (a type or
     tuple of types) or for which ``match(obj)`` is true. Later registrations
-    take precedence over earlier ones, so users can override built-ins."""
-    _load_builtins()
+    take precedence over earlier ones and over the built-ins, so users can
+    override them."""
     pred = (lambda o, t=match: isinstance(o, t)) if isinstance(match, (type, tuple)) else match
-    _ADAPTERS.insert(0, (pred, adapter))
+    _USER.insert(0, (pred, adapter))
 
 
-def adapter_for(obj) -> Adapter | None:
+def adapter_for(obj: object) -> AnyAdapter | None:
+    """The adapter of ``obj``, or None for tensors, data and plain containers."""
     if obj is None or is_tensor_leaf(obj) or isinstance(obj, (Mapping, str, bytes, int, float, bool, list, tuple)):
         return None
-    _load_builtins()
-    for pred, adapter in _ADAPTERS:
+    for pred, adapter in _USER:
         if pred(obj):
+            return adapter
+    for types, adapter in BUILTINS:
+        if isinstance(obj, types):
             return adapter
     if callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None)):
         return GENERIC
@@ -90,13 +75,13 @@ class _Generic:
     """Anything with ``state_dict()`` / ``load_state_dict()`` (torchdata's
     ``StatefulDataLoader``, user classes)."""
 
-    def save_state(self, obj, ctx):
+    def save_state(self, obj, ctx: Context) -> Mapping:
         return obj.state_dict()
 
-    def load_target(self, obj, stored, ctx):
+    def load_target(self, obj, stored: Stored, ctx: Context) -> Mapping:
         return obj.state_dict()
 
-    def apply(self, obj, loaded, ctx):
+    def apply(self, obj, loaded: Mapping, ctx: Context) -> None:
         obj.load_state_dict(loaded)
 
 
@@ -125,13 +110,20 @@ def for_load(
     if not found:
         return state, lambda plain: None
     plain = _mirror(state)
+    memos: list[tuple] = []  # per object: () or (memo,), the extra argument of its apply
     for path, obj, adapter in found:
-        _set(plain, path, adapter.load_target(obj, _stored(index, path), ctx))
+        target = adapter.load_target(obj, _stored(index, path), ctx)
+        if isinstance(target, Target):
+            _set(plain, path, target.state)
+            memos.append((target.memo,))
+        else:
+            _set(plain, path, target)
+            memos.append(())
     object_paths = {path for path, _, _ in found}
 
     def finish(filled: MutableMapping) -> None:
-        for path, obj, adapter in found:
-            adapter.apply(obj, _get(filled, path), ctx)
+        for (path, obj, adapter), memo in zip(found, memos):
+            adapter.apply(obj, _get(filled, path), ctx, *memo)
         _copy_values(filled, state, (), object_paths)
 
     return plain, finish
@@ -140,14 +132,14 @@ def for_load(
 # ----------------------------------------------------------------- tree walking
 
 
-def _objects(node: Mapping, prefix: tuple[str, ...]) -> list[tuple[tuple[str, ...], object, Adapter]]:
+def _objects(node: Mapping, prefix: tuple[str, ...]) -> list[tuple[tuple[str, ...], object, AnyAdapter]]:
     """The adapted objects of the tree, sorted by key path: objects whose
     ``state_dict()`` / ``load_state_dict()`` run collectives must be handled
     in the same order on every rank, whatever the order of each rank's dicts."""
     return sorted(_find(node, prefix), key=lambda found: tuple(map(str, found[0])))
 
 
-def _find(node: Mapping, prefix: tuple[str, ...]) -> list[tuple[tuple[str, ...], object, Adapter]]:
+def _find(node: Mapping, prefix: tuple[str, ...]) -> list[tuple[tuple[str, ...], object, AnyAdapter]]:
     found = []
     for name, value in node.items():
         if isinstance(value, Mapping):
@@ -195,15 +187,3 @@ def _stored(index: RootMetadata, path: tuple[str, ...]) -> Stored:
         values={k[n:]: v for k, v in index.values.items() if k.startswith(prefix)},
     )
 
-
-def _load_builtins() -> None:
-    """Import the built-in adapter modules (they call :func:`register`)."""
-    global _BUILTINS_LOADED
-    if _BUILTINS_LOADED:
-        return
-    _BUILTINS_LOADED = True
-    from . import (
-        optimizer,  # noqa: F401  (Optimizer)
-        rng,  # noqa: F401  (rng_state())
-        torch_objects,  # noqa: F401  (Module, LRScheduler)
-    )

@@ -31,8 +31,7 @@ import numpy as np
 import torch
 
 from ..errors import CorruptCheckpointError, IncompatibleStateError
-from ..format.keys import flat_key
-from . import registry
+from .base import Context, Stored, Target, key_in_state
 from .sharded import ShardedTensor
 
 PY_WIDTH = 628  # [version, 624 MT words, position, has_gauss, gauss bits]
@@ -43,8 +42,6 @@ _DERIVE_TAG = b"tensorckpt/rng/v1\x00"
 class RNGState:
     """Marks where the generators of this process go in a state; the state
     itself is taken at ``save`` and put back at ``load``."""
-
-    _stored: frozenset = frozenset()  # members the checkpoint has, set by load_target
 
     def __repr__(self) -> str:
         return "tensorckpt.rng_state()"
@@ -119,15 +116,17 @@ _DTYPES = {"torch": torch.uint8, "numpy": torch.int64, "python": torch.int64, "c
 _WIDTHS = {"torch": torch.get_rng_state().numel(), "numpy": NP_WIDTH, "python": PY_WIDTH}
 
 
-class _Adapter:
-    def save_state(self, obj, ctx):
+class RNGAdapter:
+    """One row per rank of each generator; ``load_target``'s memo for
+    ``apply``: the generators the checkpoint holds."""
+
+    def save_state(self, obj: RNGState, ctx: Context) -> dict:
         return {
             name: ShardedTensor(row.reshape(1, -1), (ctx.world, row.numel()), (ctx.rank, 0))
             for name, row in capture().items()
         }
 
-    def load_target(self, obj, stored, ctx):
-        obj._stored = frozenset(stored.tensors)
+    def load_target(self, obj: RNGState, stored: Stored, ctx: Context) -> Target:
         out = {}
         for name, dtype in _DTYPES.items():
             entry = stored.tensors.get(name)
@@ -148,10 +147,10 @@ class _Adapter:
                 row = None
             rows = 0 if row is None else 1
             out[name] = ShardedTensor(torch.zeros(rows, shape[1], dtype=dtype), shape, (row or 0, 0))
-        return out
+        return Target(out, memo=frozenset(stored.tensors))
 
-    def apply(self, obj, loaded, ctx):
-        if "torch" not in obj._stored:  # strict=False and no RNG state stored: generators unchanged
+    def apply(self, obj: RNGState, loaded: Mapping, ctx: Context, held: frozenset) -> None:
+        if "torch" not in held:  # strict=False and no RNG state stored: generators unchanged
             return
         t = loaded["torch"]
         if t.global_offset[0] != ctx.rank:  # no row for this rank: derive every generator
@@ -160,7 +159,7 @@ class _Adapter:
             np.random.seed(seed % 2**32)
             random.seed(seed)
             return
-        own = {name: loaded[name].local[0] for name in ("torch", "numpy", "python", "cuda") if name in obj._stored}
+        own = {name: loaded[name].local[0] for name in ("torch", "numpy", "python", "cuda") if name in held}
         for name, setter in (("torch", torch.set_rng_state), ("numpy", _set_numpy), ("python", _set_python)):
             if name in own:
                 _restore(obj, ctx, name, setter, own[name])
@@ -188,23 +187,3 @@ def _restore(obj, ctx, name: str, setter, row: torch.Tensor) -> None:
 
 def _key(obj, ctx, name: str) -> str:
     return f"{key_in_state(obj, ctx.state)}/{name}"
-
-
-def key_in_state(obj, state: Mapping) -> str:
-    """The flat key under which ``obj`` sits in ``state`` (for messages)."""
-    path = _path_of(obj, state, ())
-    return flat_key(path) if path else type(obj).__name__
-
-
-def _path_of(obj, node: Mapping, prefix: tuple) -> tuple | None:
-    for k, v in node.items():
-        if v is obj:
-            return (*prefix, k)
-        if isinstance(v, Mapping):
-            found = _path_of(obj, v, (*prefix, k))
-            if found:
-                return found
-    return None
-
-
-registry.register(RNGState, _Adapter())

@@ -28,8 +28,8 @@ from ..format import dtypes
 from ..format.keys import split_flat_key
 from ..format.metadata import TensorEntry, check_value
 from . import meta
-from .names import Renamed, identity, module_of, stored_names
-from .registry import Context, Stored, register
+from .base import Context, Stored
+from .names import identity, module_of, stored_names
 from .sharded import is_tensor_leaf
 from .state import set_leaf
 
@@ -253,6 +253,3 @@ def check_class(obj, stored: Stored, where: str, kind: str) -> None:
             "out of the state"
         )
 
-
-register((torch.nn.Module, Renamed), ModuleAdapter())
-register(torch.optim.lr_scheduler.LRScheduler, SchedulerAdapter())
