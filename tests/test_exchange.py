@@ -26,7 +26,7 @@ _TESTS = os.path.dirname(os.path.abspath(__file__))
 if _TESTS not in sys.path:
     sys.path.insert(0, _TESTS)
 
-from test_layout import SETTINGS, all_chunks, coverage, grid_boxes, guillotine, nonempty  # noqa: E402
+from layout_strategies import SETTINGS, all_chunks, coverage, grid_boxes, guillotine, nonempty  # noqa: E402
 
 from tensorckpt.format import dtypes  # noqa: E402
 from tensorckpt.layout import grid, regrid  # noqa: E402
