@@ -34,27 +34,35 @@ and a load gives every rank all of them.
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping, Sized
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch.distributed as dist
-from torch.utils.data import Sampler
+from numpy.typing import NDArray
+from torch.utils.data import DataLoader, Sampler
 
 from .adapters.base import Context, Stored, Target, key_in_state
 from .adapters.state import unflatten
 from .errors import CorruptCheckpointError, IncompatibleStateError
 from .format.keys import split_flat_key
 
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+
 VERSION = 1
 _MASK = 2**64 - 1
 _GOLDEN = 0x9E3779B97F4A7C15
 
 
-def _mix(z):
-    """SplitMix64's finalizer, on a Python int or a uint64 array (mod 2^64)."""
-    if isinstance(z, int):
-        z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK
-        z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK
-        return z ^ (z >> 31)
+def _mix(z: int) -> int:
+    """SplitMix64's finalizer, on a Python int (mod 2^64)."""
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK
+    return z ^ (z >> 31)
+
+
+def _mix_array(z: NDArray[np.uint64]) -> NDArray[np.uint64]:
+    """:func:`_mix` of each element of a uint64 array (its arithmetic wraps mod 2^64)."""
     z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
     z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
     return z ^ (z >> np.uint64(31))
@@ -69,10 +77,10 @@ def epoch_order(num_samples: int, seed: int, epoch: int, shuffle: bool = True) -
         return np.arange(num_samples, dtype=np.int64)
     k = _mix(_mix(seed & _MASK) ^ (epoch & _MASK))
     i = np.arange(num_samples, dtype=np.uint64)
-    return np.argsort(_mix(np.uint64(k) + i * np.uint64(_GOLDEN)), kind="stable").astype(np.int64)
+    return np.argsort(_mix_array(np.uint64(k) + i * np.uint64(_GOLDEN)), kind="stable").astype(np.int64)
 
 
-def remaining(order: np.ndarray, segments) -> np.ndarray:
+def remaining(order: np.ndarray, segments: list[list]) -> np.ndarray:
     """``order`` without the samples consumed in ``segments`` ([world,
     counts] each, in order): in a segment of world W, rank r consumed the
     first ``counts[r]`` samples of ``rest[r::W]``."""
@@ -84,7 +92,9 @@ def remaining(order: np.ndarray, segments) -> np.ndarray:
     return order
 
 
-def dp_rank_and_size(rank: int | None, world: int | None, dp_group=None, dp_mesh=None) -> tuple[int, int]:
+def dp_rank_and_size(
+    rank: int | None, world: int | None, dp_group: dist.ProcessGroup | None = None, dp_mesh: DeviceMesh | None = None
+) -> tuple[int, int]:
     """The data-parallel rank and size a sampler uses (see :class:`ResumableSampler`)."""
     given = [name for name, v in (("rank/world", rank if rank is not None else world), ("dp_group", dp_group),
                                   ("dp_mesh", dp_mesh)) if v is not None]
@@ -167,8 +177,8 @@ class ResumableSampler(Sampler[int]):
         drop_last: bool = False,
         rank: int | None = None,
         world: int | None = None,
-        dp_group=None,
-        dp_mesh=None,
+        dp_group: dist.ProcessGroup | None = None,
+        dp_mesh: DeviceMesh | None = None,
     ) -> None:
         self.num_samples = data if isinstance(data, int) else len(data)
         rank, world = dp_rank_and_size(rank, world, dp_group, dp_mesh)
@@ -214,7 +224,7 @@ class ResumableSampler(Sampler[int]):
             raise ValueError(f"ResumableSampler.advance: {samples} samples")
         self._consumed = min(self._consumed + samples, len(self._slice()))
 
-    def track(self, loader) -> Iterator:
+    def track(self, loader: DataLoader) -> Iterator[Any]:
         """Iterate ``loader`` (a DataLoader over this sampler), counting each
         batch as consumed when the loop receives it; a checkpoint saved while
         the loop handles a batch resumes after that batch."""
@@ -224,7 +234,7 @@ class ResumableSampler(Sampler[int]):
             raise ValueError("ResumableSampler.track: the loader has no batch_size; call sampler.advance(n) after each batch instead")
         return self._track(loader, loader.batch_size)
 
-    def _track(self, loader, batch_size: int) -> Iterator:
+    def _track(self, loader: DataLoader, batch_size: int) -> Iterator[Any]:
         for batch in loader:
             self.advance(batch_size)  # the last batch may be smaller: advance stops at the slice's end
             yield batch
@@ -273,7 +283,7 @@ def _parse(state: Mapping, where: str) -> dict:
         if not cond:
             raise CorruptCheckpointError(f"{where}: {what}")
 
-    def is_int(v, low: int = 0) -> bool:
+    def is_int(v: object, low: int = 0) -> bool:
         return isinstance(v, int) and not isinstance(v, bool) and v >= low
 
     need(isinstance(state, Mapping), "not a dict")

@@ -21,7 +21,7 @@ import torch
 try:
     from torch.distributed.tensor import DTensor
 except ImportError:  # pragma: no cover
-    DTensor = None  # type: ignore[misc,assignment]
+    DTensor = None  # type: ignore[misc,assignment]  # absent in this torch build
 
 
 def materialized(state: Mapping) -> dict:

@@ -18,7 +18,7 @@ stages), and tied tensors.
 from __future__ import annotations
 
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 import torch
 
@@ -44,11 +44,11 @@ class Renamed:
         return f"Renamed({type(self.module).__name__})"
 
 
-def module_of(obj) -> torch.nn.Module:
+def module_of(obj: torch.nn.Module | Renamed) -> torch.nn.Module:
     return obj.module if isinstance(obj, Renamed) else obj
 
 
-def _is(obj, module: str, name: str) -> bool:
+def _is(obj: object, module: str, name: str) -> bool:
     """``isinstance(obj, module.name)`` without importing ``module`` (importing
     torch._dynamo takes seconds): if it was never imported, no instance exists."""
     mod = sys.modules.get(module)
@@ -68,7 +68,7 @@ def sharded_fsdp1(module: torch.nn.Module) -> torch.nn.Module | None:
     return None
 
 
-def _skipped(parent, component: str) -> bool:
+def _skipped(parent: object, component: str) -> bool:
     if component == CHECKPOINT_WRAPPED:
         return True
     if component == "module":
@@ -97,7 +97,7 @@ def canonical(module: torch.nn.Module, name: str) -> str:
     return ".".join(out)
 
 
-def namer(obj) -> Callable[[str], str]:
+def namer(obj: torch.nn.Module | Renamed) -> Callable[[str], str]:
     """The stored name of each of ``obj``'s own names (a module or a
     :class:`Renamed`)."""
     module = module_of(obj)
@@ -107,7 +107,7 @@ def namer(obj) -> Callable[[str], str]:
     return lambda name: rename(canonical(module, name))
 
 
-def stored_names(obj, names, where: str) -> dict[str, str]:
+def stored_names(obj: torch.nn.Module | Renamed, names: Iterable[str], where: str) -> dict[str, str]:
     """``{stored name: own name}`` for ``names``; two own names with one
     stored name are an error."""
     name_of = namer(obj)
@@ -123,7 +123,7 @@ def stored_names(obj, names, where: str) -> dict[str, str]:
     return out
 
 
-def identity(t) -> tuple | None:
+def identity(t: torch.Tensor) -> tuple | None:
     """What makes two tensors the same tensor (one view of one storage:
     ``state_dict()`` returns a new detached view of a parameter each time),
     or None when that cannot be told (meta, empty, no storage)."""

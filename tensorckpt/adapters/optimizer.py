@@ -39,7 +39,7 @@ import hashlib
 import json
 import math
 import warnings
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from itertools import chain
 
 import torch
@@ -57,9 +57,9 @@ _ID_CHARS = 16  # hex digits of a group id (64 bits of SHA-256)
 class OptimizerAdapter:
     """Saves the 1.2 layout (module docstring); loads it and the 1.0/1.1 one."""
 
-    def save_state(self, opt, ctx: Context) -> dict:
+    def save_state(self, opt: torch.optim.Optimizer, ctx: Context) -> dict:
         groups = named_groups(opt, ctx)
-        state = {}
+        state: dict[str, dict] = {}
         for fqn, p in chain.from_iterable(groups):
             if opt.state.get(p):
                 for k, v in opt.state[p].items():
@@ -87,7 +87,7 @@ class OptimizerAdapter:
             out[STATE] = state
         return out
 
-    def load_target(self, opt, stored: Stored, ctx: Context) -> dict:
+    def load_target(self, opt: torch.optim.Optimizer, stored: Stored, ctx: Context) -> dict:
         if not stored.tensors and not stored.values:  # nothing stored: load reports the keys missing
             return self.save_state(opt, ctx)
         where = where_in(opt, ctx)
@@ -100,7 +100,7 @@ class OptimizerAdapter:
         _check_names(opt, groups, hparams, with_state, ctx, where)
         ours = set(params)
 
-        def target(path, entry: TensorEntry):
+        def target(path: tuple[str, ...], entry: TensorEntry) -> torch.Tensor | None:
             if len(path) == 3 and path[0] == STATE and path[1] in ours:
                 return _state_target(opt, params[path[1]], path[2], entry, path)
             return None
@@ -114,13 +114,13 @@ class OptimizerAdapter:
                     del out[kind]
         return out
 
-    def apply(self, opt, loaded: Mapping, ctx: Context) -> None:
+    def apply(self, opt: torch.optim.Optimizer, loaded: Mapping, ctx: Context) -> None:
         where = where_in(opt, ctx)
         groups = named_groups(opt, ctx)
         hparams = stored_hparams(loaded, where, sorted(loaded))
         ids = {fqn: i for i, (fqn, _) in enumerate(chain.from_iterable(groups))}
         loaded_state = loaded.get(STATE, {}) if isinstance(loaded.get(STATE), Mapping) else {}
-        state = {}
+        state: dict[int, dict] = {}
         for fqn, p in chain.from_iterable(groups):
             current = opt.state.get(p, {})
             if fqn in loaded_state:
@@ -192,7 +192,10 @@ def stored_hparams(saved: Mapping, where: str, keys: list[str]) -> dict[str, dic
     return out
 
 
-def _check_names(opt, groups, hparams: dict, with_state: set, ctx: Context, where: str) -> None:
+def _check_names(
+    opt: torch.optim.Optimizer, groups: list[list[tuple[str, torch.Tensor]]], hparams: dict[str, dict],
+    with_state: set[str], ctx: Context, where: str,
+) -> None:
     """Per-parameter matching (training-state.md 4.3): names of the optimizer
     the checkpoint lacks, state the checkpoint lacks, groups whose parameters'
     stored hyperparameters disagree. Names only the checkpoint has are left
@@ -238,7 +241,7 @@ def _check_names(opt, groups, hparams: dict, with_state: set, ctx: Context, wher
             )
 
 
-def named_groups(opt, ctx: Context) -> list[list[tuple[str, torch.Tensor]]]:
+def named_groups(opt: torch.optim.Optimizer, ctx: Context) -> list[list[tuple[str, torch.Tensor]]]:
     """The optimizer's param groups as (FQN, parameter) lists. A parameter's
     FQN is its (canonical) name in the first module of the state that has it;
     when the optimizer's parameters come from several modules, the name is
@@ -267,14 +270,14 @@ def named_groups(opt, ctx: Context) -> list[list[tuple[str, torch.Tensor]]]:
                 )
     several = len({owners[id(p)][0] for g in opt.param_groups for p in g["params"]}) > 1
 
-    def fqn(p) -> str:
+    def fqn(p: torch.Tensor) -> str:
         path, name = owners[id(p)]
         return ".".join(path + (name,)) if several else name
 
     return [[(fqn(p), p) for p in g["params"]] for g in opt.param_groups]
 
 
-def _modules(node: Mapping, prefix: tuple[str, ...]):
+def _modules(node: Mapping, prefix: tuple[str, ...]) -> Iterator[tuple[tuple[str, ...], torch.nn.Module | Renamed]]:
     for name, value in node.items():
         if isinstance(value, (torch.nn.Module, Renamed)):
             yield prefix + (name,), value
@@ -282,7 +285,9 @@ def _modules(node: Mapping, prefix: tuple[str, ...]):
             yield from _modules(value, prefix + (name,))
 
 
-def _state_target(opt, p: torch.Tensor, name: str, entry: TensorEntry, path) -> torch.Tensor:
+def _state_target(
+    opt: torch.optim.Optimizer, p: torch.Tensor, name: str, entry: TensorEntry, path: tuple[str, ...]
+) -> torch.Tensor:
     """Where to read ``state/<fqn>/<name>``: the optimizer's own tensor when it
     matches, else a new one, laid out like the parameter when of its shape."""
     dtype = dtype_of(entry, path)
@@ -294,7 +299,7 @@ def _state_target(opt, p: torch.Tensor, name: str, entry: TensorEntry, path) -> 
     return torch.zeros(entry.shape, dtype=dtype, device=p.device)
 
 
-def _leaves(value):
+def _leaves(value: object) -> Iterator[object]:
     if isinstance(value, Mapping):
         for v in value.values():
             yield from _leaves(v)
@@ -305,7 +310,7 @@ def _leaves(value):
         yield value
 
 
-def _scalar_as_data(value, p: torch.Tensor | None = None):
+def _scalar_as_data(value: object, p: torch.Tensor | None = None) -> object:
     """A real 0-d tensor as a number (unless its parameter is 0-d too, or the
     number is not finite); anything else unchanged."""
     if isinstance(value, torch.Tensor) and value.dim() == 0 and (p is None or p.dim() > 0) and not value.is_complex():
@@ -315,7 +320,7 @@ def _scalar_as_data(value, p: torch.Tensor | None = None):
     return value
 
 
-def _like(value, current):
+def _like(value: object, current: object) -> object:
     """``value`` as loaded, turned back into ``current``'s kind: a 0-d tensor
     of its dtype and device for a number, a tuple for a list."""
     if isinstance(current, torch.Tensor) and isinstance(value, (bool, int, float)):

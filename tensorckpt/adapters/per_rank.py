@@ -36,7 +36,7 @@ class PerRank:
     a load, ``value`` holds this rank's stored row (a tensor is filled in place)."""
 
     def __init__(self, value: object) -> None:
-        if is_tensor_leaf(value) and not type(value) in (torch.Tensor, torch.nn.Parameter):
+        if is_tensor_leaf(value) and type(value) not in (torch.Tensor, torch.nn.Parameter):
             raise UnsupportedValueError(
                 "tensorckpt.per_rank(...) takes a plain tensor or a JSON value; a DTensor or ShardedTensor "
                 "already says which part each rank holds"

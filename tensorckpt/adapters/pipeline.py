@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping
+from typing import overload
 
 import torch
 
@@ -36,7 +37,11 @@ def stage_offset(num_layers: int, pp_size: int, pp_rank: int) -> int:
     return pp_rank * base + min(pp_rank, extra)
 
 
-def shift_layers(state, offset: int, *, prefix: str = "layers"):
+@overload
+def shift_layers(state: torch.nn.Module, offset: int, *, prefix: str = "layers") -> Renamed: ...
+@overload
+def shift_layers(state: Mapping, offset: int, *, prefix: str = "layers") -> dict: ...
+def shift_layers(state: Mapping | torch.nn.Module, offset: int, *, prefix: str = "layers") -> dict | Renamed:
     """A new (nested) dict whose keys ``...{prefix}.{i}...`` read
     ``{prefix}.{i + offset}``; values are shared, not copied, so loading into
     the result fills the original tensors in place. For a ``torch.nn.Module``,
@@ -50,7 +55,7 @@ def shift_layers(state, offset: int, *, prefix: str = "layers"):
     if isinstance(state, torch.nn.Module):
         return Renamed(state, rename)
 
-    out = {}
+    out: dict = {}
     for k, v in state.items():
         new = rename(k) if isinstance(k, str) else k
         if new in out:

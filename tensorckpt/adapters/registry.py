@@ -18,6 +18,7 @@ a module that imports :mod:`.base` and one line in :data:`BUILTINS`.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, MutableMapping
+from typing import Any
 
 import torch
 
@@ -75,13 +76,13 @@ class _Generic:
     """Anything with ``state_dict()`` / ``load_state_dict()`` (torchdata's
     ``StatefulDataLoader``, user classes)."""
 
-    def save_state(self, obj, ctx: Context) -> Mapping:
+    def save_state(self, obj: Any, ctx: Context) -> Mapping:
         return obj.state_dict()
 
-    def load_target(self, obj, stored: Stored, ctx: Context) -> Mapping:
+    def load_target(self, obj: Any, stored: Stored, ctx: Context) -> Mapping:
         return obj.state_dict()
 
-    def apply(self, obj, loaded: Mapping, ctx: Context) -> None:
+    def apply(self, obj: Any, loaded: Mapping, ctx: Context) -> None:
         obj.load_state_dict(loaded)
 
 
@@ -156,13 +157,13 @@ def _mirror(node: Mapping) -> dict:
     return {k: _mirror(v) if isinstance(v, Mapping) else v for k, v in node.items()}
 
 
-def _set(tree: MutableMapping, path: tuple[str, ...], value) -> None:
+def _set(tree: MutableMapping, path: tuple[str, ...], value: object) -> None:
     for name in path[:-1]:
         tree = tree[name]
     tree[path[-1]] = value
 
 
-def _get(tree: Mapping, path: tuple[str, ...]):
+def _get(tree: Mapping, path: tuple[str, ...]) -> Any:
     for name in path:
         tree = tree[name]
     return tree

@@ -25,7 +25,8 @@ from __future__ import annotations
 import hashlib
 import random
 import struct
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from typing import cast
 
 import numpy as np
 import torch
@@ -102,7 +103,9 @@ def capture() -> dict[str, torch.Tensor]:
     """This process's generator states, one 1-D row each."""
     rows = {
         "torch": torch.get_rng_state(),
-        "numpy": encode_numpy(np.random.get_state()),
+        # legacy=True (also the default) gives the tuple form for an MT19937 generator, as the global one
+        # always is; numpy's stubs type the call without it as the dict form (legacy=False)
+        "numpy": encode_numpy(cast(tuple, np.random.get_state(legacy=True))),
         "python": encode_python(random.getstate()),
     }
     if torch.cuda.is_available():  # pragma: no cover - no CUDA in the test environment
@@ -175,7 +178,9 @@ def _set_python(row: torch.Tensor) -> None:
     random.setstate(decode_python(row.tolist()))
 
 
-def _restore(obj, ctx, name: str, setter, row: torch.Tensor) -> None:
+def _restore(
+    obj: RNGState, ctx: Context, name: str, setter: Callable[[torch.Tensor], None], row: torch.Tensor
+) -> None:
     try:
         setter(row.clone())
     except (ValueError, TypeError, RuntimeError) as e:
@@ -185,5 +190,5 @@ def _restore(obj, ctx, name: str, setter, row: torch.Tensor) -> None:
         ) from None
 
 
-def _key(obj, ctx, name: str) -> str:
+def _key(obj: RNGState, ctx: Context, name: str) -> str:
     return f"{key_in_state(obj, ctx.state)}/{name}"

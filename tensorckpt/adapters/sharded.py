@@ -22,7 +22,9 @@ shards on one rank, are refused, naming the key, rather than stored wrongly.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -32,17 +34,17 @@ from ..layout.boxes import Box
 try:  # DTensor is optional: torch builds without distributed lack it
     from torch.distributed.tensor import DTensor, Replicate, Shard
 except ImportError:  # pragma: no cover
-    DTensor = Replicate = Shard = None  # type: ignore[misc,assignment]
+    DTensor = Replicate = Shard = None  # type: ignore[misc,assignment]  # absent in this torch build
 
 try:  # private in torch: FSDP2 over tensor parallelism places parameters with it
     from torch.distributed.tensor.placement_types import _StridedShard
 except ImportError:  # pragma: no cover
-    _StridedShard = None  # type: ignore[misc,assignment]
+    _StridedShard = None  # type: ignore[misc,assignment]  # absent in this torch build
 
 try:  # torch's legacy ShardedTensor (deprecated by torch, still written by FSDP1)
     from torch.distributed._shard.sharded_tensor import ShardedTensor as TorchShardedTensor
 except ImportError:  # pragma: no cover
-    TorchShardedTensor = None  # type: ignore[misc,assignment]
+    TorchShardedTensor = None  # type: ignore[misc,assignment]  # absent in this torch build
 
 
 @dataclass(frozen=True)
@@ -80,7 +82,7 @@ def is_tensor_leaf(value: object) -> bool:
     return isinstance(value, (torch.Tensor, ShardedTensor))
 
 
-def local_part(key: str, value) -> tuple[torch.Tensor, tuple[int, ...], Box]:
+def local_part(key: str, value: object) -> tuple[torch.Tensor, tuple[int, ...], Box]:
     """(local tensor, global shape, box) of a tensor leaf on this rank."""
     if isinstance(value, ShardedTensor):
         return _not_meta(key, value.local), value.global_shape, value.box
@@ -93,7 +95,7 @@ def local_part(key: str, value) -> tuple[torch.Tensor, tuple[int, ...], Box]:
     raise UnsupportedValueError(f"{key!r}: not a tensor")
 
 
-def saved_part(key: str, value, elsewhere: bool) -> tuple[torch.Tensor, tuple[int, ...], Box]:
+def saved_part(key: str, value: object, elsewhere: bool) -> tuple[torch.Tensor, tuple[int, ...], Box]:
     """:func:`local_part` for a save. With ``elsewhere`` (a distributed save),
     a tensor on the meta device holds no data on this rank (e.g. the layers of
     other pipeline stages in a model built on meta, only this stage
@@ -102,15 +104,18 @@ def saved_part(key: str, value, elsewhere: bool) -> tuple[torch.Tensor, tuple[in
     In one process it is refused, as by :func:`local_part`."""
     if not elsewhere or (TorchShardedTensor is not None and isinstance(value, TorchShardedTensor)):
         return local_part(key, value)
-    local = value.local if isinstance(value, ShardedTensor) else value
-    if DTensor is not None and isinstance(value, DTensor):
-        local = value.to_local()
-    if isinstance(local, torch.Tensor) and local.is_meta:
-        shape = tuple(value.global_shape) if isinstance(value, ShardedTensor) else tuple(value.shape)
+    if isinstance(value, ShardedTensor):
+        local, shape = value.local, value.global_shape
+    elif isinstance(value, torch.Tensor):
+        local = value.to_local() if DTensor is not None and isinstance(value, DTensor) else value
+        shape = tuple(value.shape)
+    else:
+        return local_part(key, value)  # not a tensor: refused there
+    if local.is_meta:
         if not shape:
             _not_meta(key, local)  # a 0-d tensor has no empty box: refused
         empty = (0,) * len(shape)
-        return torch.empty(empty, dtype=value.dtype if not isinstance(value, ShardedTensor) else value.local.dtype), shape, Box(empty, empty)
+        return torch.empty(empty, dtype=local.dtype), shape, Box(empty, empty)
     return local_part(key, value)
 
 
@@ -125,7 +130,7 @@ def _not_meta(key: str, t: torch.Tensor) -> torch.Tensor:
     return t
 
 
-def _dtensor_part(key: str, value) -> tuple[torch.Tensor, tuple[int, ...], Box]:
+def _dtensor_part(key: str, value: DTensor) -> tuple[torch.Tensor, tuple[int, ...], Box]:
     for p in value.placements:
         if type(p) not in (Shard, Replicate) and not _is_strided(p):
             raise UnsupportedValueError(
@@ -148,7 +153,9 @@ def _dtensor_part(key: str, value) -> tuple[torch.Tensor, tuple[int, ...], Box]:
     return local, shape, box
 
 
-def mesh_box(key: str, shape: tuple[int, ...], mesh_shape: tuple[int, ...], coordinate, placements) -> Box:
+def mesh_box(
+    key: str, shape: tuple[int, ...], mesh_shape: tuple[int, ...], coordinate: Sequence[int], placements: Sequence[Any]
+) -> Box:
     """The box a mesh coordinate holds (spec/format-v1.md 8.4). ``Shard(d)``
     placements cut dimension ``d`` left to right, like torch's
     ``compute_local_shape_and_global_offset``; ``_StridedShard`` placements
@@ -173,7 +180,9 @@ def mesh_box(key: str, shape: tuple[int, ...], mesh_shape: tuple[int, ...], coor
     return Box(tuple(start), tuple(size))
 
 
-def _sharding_order(key: str, d: int, ops: list[int], mesh_shape: tuple[int, ...], placements) -> list[int]:
+def _sharding_order(
+    key: str, d: int, ops: list[int], mesh_shape: tuple[int, ...], placements: Sequence[Any]
+) -> list[int]:
     """The mesh dimensions ``ops`` sharding tensor dimension ``d`` (in mesh
     order), in the order they cut it: each ``_StridedShard`` after the
     shards to its right that its split factor counts."""
@@ -202,11 +211,11 @@ def _sharding_order(key: str, d: int, ops: list[int], mesh_shape: tuple[int, ...
     return order
 
 
-def _is_strided(p) -> bool:
+def _is_strided(p: object) -> bool:
     return _StridedShard is not None and isinstance(p, _StridedShard)
 
 
-def _legacy_part(key: str, value) -> tuple[torch.Tensor, tuple[int, ...], Box]:
+def _legacy_part(key: str, value: TorchShardedTensor) -> tuple[torch.Tensor, tuple[int, ...], Box]:
     shape = tuple(value.metadata().size)
     shards = value.local_shards()
     if len(shards) > 1:

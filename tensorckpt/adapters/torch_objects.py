@@ -19,7 +19,7 @@ import copy
 import functools
 import math
 import types
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, MutableMapping
 
 import torch
 
@@ -29,7 +29,7 @@ from ..format.keys import split_flat_key
 from ..format.metadata import TensorEntry, check_value
 from . import meta
 from .base import Context, Stored
-from .names import identity, module_of, stored_names
+from .names import Renamed, identity, module_of, stored_names
 from .sharded import is_tensor_leaf
 from .state import set_leaf
 
@@ -48,10 +48,11 @@ class ModuleAdapter:
     (the module's own load hooks and ``set_extra_state`` run). Also for a
     :class:`~.names.Renamed` module."""
 
-    def save_state(self, obj, ctx):
+    def save_state(self, obj: torch.nn.Module | Renamed, ctx: Context) -> dict:
         own = module_of(obj).state_dict()
         names = stored_names(obj, own, where_in(obj, ctx))
-        out, first = {}, {}
+        out: dict[str, object] = {}
+        first: dict[tuple, str] = {}  # identity of a tensor -> the name it is stored under
         for name, key in names.items():
             value = own[key]
             if key.endswith(EXTRA_STATE):
@@ -64,15 +65,15 @@ class ModuleAdapter:
             out[name] = value
         return out
 
-    def load_target(self, obj, stored, ctx):
+    def load_target(self, obj: torch.nn.Module | Renamed, stored: Stored, ctx: Context) -> dict:
         own = meta.materialized(module_of(obj).state_dict())  # tensors on meta: new ones to read into
         return {name: ({TIED_TO: tie} if (tie := _tie(stored, name)) is not None else own[key])
                 for name, key in _load_names(obj, own, stored, ctx).items()}
 
-    def apply(self, obj, loaded, ctx):
+    def apply(self, obj: torch.nn.Module | Renamed, loaded: Mapping, ctx: Context) -> None:
         module = module_of(obj)
         names = _load_names(obj, module.state_dict(), loaded, ctx)
-        out = {}
+        out: dict[str, object] = {}
         for name, key in names.items():
             value = loaded[name]
             if isinstance(value, Mapping) and set(value) == {TIED_TO} and not key.endswith(EXTRA_STATE):
@@ -88,7 +89,7 @@ class ModuleAdapter:
             module.load_state_dict(out, assign=assign)
 
 
-def _load_names(obj, own: Mapping, stored: Stored | Mapping, ctx: Context) -> dict[str, str]:
+def _load_names(obj: torch.nn.Module | Renamed, own: Mapping, stored: Stored | Mapping, ctx: Context) -> dict[str, str]:
     """``{name in the plain state: the module's own key}``: the canonical
     name, or the module's own key where only that is stored (a checkpoint
     written before names were canonical, e.g. with DDP's ``module.``).
@@ -108,7 +109,7 @@ def _tie(stored: Stored, name: str) -> str | None:
     return tie if isinstance(tie, str) and name not in stored.tensors else None
 
 
-def _check_extra_state(value, key: str, owner: str) -> None:
+def _check_extra_state(value: object, key: str, owner: str) -> None:
     if isinstance(value, Mapping):
         for k, v in value.items():
             _check_extra_state(v, f"{key}/{k}", owner)
@@ -135,7 +136,7 @@ class SchedulerAdapter:
     ``best``) is not JSON and becomes a 0-d float64 tensor; a dict with
     non-str keys (``MultiStepLR``'s ``milestones``) becomes [key, value] pairs."""
 
-    def save_state(self, sched, ctx):
+    def save_state(self, sched: torch.optim.lr_scheduler.LRScheduler, ctx: Context) -> dict:
         where = where_in(sched, ctx)
         members = sched.state_dict()
         if CLASS in members:
@@ -145,18 +146,18 @@ class SchedulerAdapter:
             )
         return {CLASS: type(sched).__name__, **_encode(members, where, type(sched).__name__)}
 
-    def load_target(self, sched, stored, ctx):
+    def load_target(self, sched: torch.optim.lr_scheduler.LRScheduler, stored: Stored, ctx: Context) -> dict:
         if not stored.tensors and not stored.values:
             return self.save_state(sched, ctx)
         check_class(sched, stored, where_in(sched, ctx), "LR scheduler")
         return tree(stored, lambda path, e: torch.empty(e.shape, dtype=dtype_of(e, path)))
 
-    def apply(self, sched, loaded, ctx):
+    def apply(self, sched: torch.optim.lr_scheduler.LRScheduler, loaded: Mapping, ctx: Context) -> None:
         sched.load_state_dict(_decode({k: v for k, v in loaded.items() if k != CLASS}, sched.state_dict()))
 
 
 def _encode(members: Mapping, where: str, kind: str) -> dict:
-    out = {}
+    out: dict[str, object] = {}
     for name, value in members.items():
         key = f"{where}/{name}"
         if isinstance(value, _FUNCTIONS):
@@ -180,19 +181,20 @@ def _encode(members: Mapping, where: str, kind: str) -> dict:
     return out
 
 
-def _decode(loaded: Mapping, current) -> dict:
+def _decode(loaded: Mapping, current: object) -> dict:
     """Invert :func:`_encode`, guided by the scheduler's ``current`` members."""
-    out = {}
+    out: dict[str, object] = {}
     for name, value in loaded.items():
         now = current.get(name) if isinstance(current, Mapping) else None
         is_float = isinstance(value, torch.Tensor) and value.shape == () and value.dtype == torch.float64
         is_pairs = isinstance(value, list) and all(isinstance(x, list) and len(x) == 2 for x in value)
         if is_float and not isinstance(now, torch.Tensor):
             value = value.item()  # a float that is not finite
-        elif isinstance(now, Mapping) and is_pairs:  # back into the member's own mapping type
-            pairs, value = value, copy.copy(now)
-            value.clear()
-            value.update({k: v for k, v in pairs})
+        elif isinstance(now, MutableMapping) and is_pairs:  # back into the member's own mapping type (a Counter)
+            rebuilt = copy.copy(now)  # keeps the type and what it holds besides the items (a defaultdict's factory)
+            rebuilt.clear()
+            rebuilt.update(dict(value))  # not update(value): a Counter counts the items of an iterable
+            value = rebuilt
         elif isinstance(value, Mapping) and value:
             value = _decode(value, now)
         out[name] = value
@@ -221,10 +223,10 @@ def dtype_of(entry: TensorEntry, path: tuple[str, ...]) -> torch.dtype:
     return dtypes.torch_dtype(dtypes.for_name(entry.dtype, "/".join(path)))
 
 
-def where_in(obj, ctx: Context) -> str:
+def where_in(obj: object, ctx: Context) -> str:
     """The key path of ``obj`` in the state, for messages."""
 
-    def find(node: Mapping, prefix: tuple[str, ...]):
+    def find(node: Mapping, prefix: tuple[str, ...]) -> tuple[str, ...] | None:
         for name, value in node.items():
             if value is obj:
                 return prefix + (str(name),)
@@ -241,7 +243,7 @@ def names_list(names: list[str], limit: int = 20) -> str:
     return "[" + shown + (f" and {len(names) - limit} more" if len(names) > limit else "") + "]"
 
 
-def check_class(obj, stored: Stored, where: str, kind: str) -> None:
+def check_class(obj: object, stored: Stored, where: str, kind: str) -> None:
     """A stored class name (``K/class``, format 1.2) must be ``obj``'s:
     another optimizer's or scheduler's state would load wrongly or fail deep
     inside torch. Checkpoints without one (format 1.0/1.1) are not checked."""
