@@ -44,7 +44,6 @@ from .storage import commit, direct, location, pinned
 from .storage.backend import backend_for
 from .storage.reader import TRUSTED_READ_BYTES, StoredArrays, short
 
-
 Key = str | tuple[str, ...]  # a flat key, or its path of components
 Index = int | slice | EllipsisType | tuple[int | slice | EllipsisType, ...]  # a region, as torch indexes
 
