@@ -20,6 +20,8 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import dataclass
+from types import EllipsisType
+from typing import Any
 
 import numpy as np
 import torch
@@ -41,6 +43,9 @@ from .layout.boxes import Box
 from .storage import commit, direct, location, pinned
 from .storage.backend import backend_for
 from .storage.reader import TRUSTED_READ_BYTES, StoredArrays, short
+
+Key = str | tuple[str, ...]  # a flat key, or its path of components
+Index = int | slice | EllipsisType | tuple[int | slice | EllipsisType, ...]  # a region, as torch indexes
 
 
 @dataclass(frozen=True)
@@ -123,21 +128,21 @@ class Checkpoint(StoredArrays):
         """Flat keys of every leaf (tensors and values), sorted."""
         return sorted([*self._meta.tensors, *self._meta.values])
 
-    def __contains__(self, key) -> bool:
+    def __contains__(self, key: Key) -> bool:
         k = self._key(key)
         return k in self._meta.tensors or k in self._meta.values
 
     def __repr__(self) -> str:
         return f"Checkpoint({self.path!r}, {len(self._meta.tensors)} tensors, {len(self._meta.values)} values)"
 
-    def info(self, key) -> TensorInfo:
+    def info(self, key: Key) -> TensorInfo:
         k = self._key(key)
         e = self._entry(k)
         return TensorInfo(k, e.shape, e.torch_dtype, e.nbytes, e.chunk_shape, e.inner_chunk_shape)
 
-    def read(self, key, index=None):
+    def read(self, key: Key, index: Index | None = None) -> Any:
         """The tensor at ``key`` (or only the region ``index``, a tuple of
-        slices / ints), or the stored value if ``key`` is a non-tensor leaf.
+        slices / ints), or the stored value (JSON) if ``key`` is a non-tensor leaf.
         Raises :class:`CheckpointChangedError` (read again) where the
         checkpoint was replaced since it was opened and the data is gone."""
         k = self._key(key)
@@ -147,7 +152,7 @@ class Checkpoint(StoredArrays):
         with self.one_version():
             return self._read_tensor(k, e, index)
 
-    def _read_tensor(self, k: str, e: TensorEntry, index):
+    def _read_tensor(self, k: str, e: TensorEntry, index: Index | None) -> torch.Tensor:
         self.check_arrays([k])
         norm = _normalize_index(index, e.shape, f"{self.path}: tensor {k!r}") if index is not None else ()
         rest = e.shape[len(norm):]  # the region read, in the array's coordinates (an int keeps its dimension)
@@ -186,16 +191,17 @@ class Checkpoint(StoredArrays):
                 leaves[split_flat_key(k)] = self.read(k)
         return unflatten(leaves)
 
-    def _key(self, key) -> str:
+    def _key(self, key: Key) -> str:
         return flat_key(tuple(key)) if isinstance(key, tuple) else key
 
 
 # ----------------------------------------------------------------- indices
 
 
-def _normalize_index(index, shape: tuple[int, ...], where: str) -> tuple:
+def _normalize_index(index: object, shape: tuple[int, ...], where: str) -> tuple[slice | int, ...]:
     """Indices as torch understands them (negative ints and slice bounds count
-    from the end; slices clamp), checked against ``shape`` before any read."""
+    from the end; slices clamp), checked against ``shape`` before any read.
+    ``index`` comes from the caller: anything else is an InvalidIndexError."""
     index = index if isinstance(index, tuple) else (index,)
     if sum(ix is Ellipsis for ix in index) > 1:
         raise InvalidIndexError(f"{where}: an index can have only one Ellipsis")

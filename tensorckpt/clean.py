@@ -57,7 +57,7 @@ class CleanReport:
         }
 
 
-def clean(path, *, older_than: float = DEFAULT_OLDER_THAN, dry_run: bool = False) -> CleanReport:
+def clean(path: location.PathArg, *, older_than: float = DEFAULT_OLDER_THAN, dry_run: bool = False) -> CleanReport:
     """Find the leftovers of interrupted saves to ``path`` and remove those the
     rule allows (see the module docstring); with ``dry_run`` remove nothing."""
     if not older_than >= 0:
@@ -75,6 +75,7 @@ def _clean(target: location.Location, older_than: float, dry_run: bool) -> Clean
     staging = commit.leftovers(target)
     foreign = {s: _foreign(s) for s in staging}
     ages = {s: age_of(s) for s in staging if foreign[s] is None}
+    keep: str | None  # why a leftover stays (None: it goes)
     for s in staging:
         why = foreign[s]
         if why is not None:

@@ -52,6 +52,7 @@ import time
 import warnings
 from collections.abc import Callable, Mapping, MutableMapping
 from dataclasses import dataclass
+from typing import Any
 
 from .checkpoint import read_root
 from .clean import DEFAULT_OLDER_THAN, age_of, has_root, too_young
@@ -59,6 +60,7 @@ from .clean import clean as _clean_leftovers
 from .engine.async_save import SaveHandle
 from .engine.async_save import async_save as _async_save
 from .engine.group import Group
+from .engine.load import LoadStats
 from .engine.load import load as _load
 from .engine.save import save as _save
 from .errors import CheckpointChangedError, CheckpointExistsError, TensorckptError
@@ -89,7 +91,7 @@ def parse_step_name(name: str) -> int | None:
     return step if step_name(step) == name else None
 
 
-def _check_step(step) -> int:
+def _check_step(step: object) -> int:
     if isinstance(step, bool) or not isinstance(step, int) or step < 0:
         raise ValueError(f"a step must be an int >= 0, got {step!r}")
     return step
@@ -137,20 +139,20 @@ class CheckpointManager:
 
     def __init__(
         self,
-        root,
+        root: location.PathArg,
         *,
         keep_last: int | None = None,
         keep_every: int | None = None,
         reader_grace: float = DEFAULT_READER_GRACE,
         grace: float = DEFAULT_OLDER_THAN,
-        process_group=None,
+        process_group: Any = None,
     ) -> None:
         for name, v in (("keep_last", keep_last), ("keep_every", keep_every)):
             if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
                 raise ValueError(f"CheckpointManager({name}=...) must be None or an int >= 1, got {v!r}")
-        for name, v in (("reader_grace", reader_grace), ("grace", grace)):
-            if not (isinstance(v, (int, float)) and not isinstance(v, bool) and v >= 0):
-                raise ValueError(f"CheckpointManager({name}=...) must be a number of seconds >= 0, got {v!r}")
+        for name, seconds in (("reader_grace", reader_grace), ("grace", grace)):
+            if not (isinstance(seconds, (int, float)) and not isinstance(seconds, bool) and seconds >= 0):
+                raise ValueError(f"CheckpointManager({name}=...) must be a number of seconds >= 0, got {seconds!r}")
         self.root = location.parse(root)
         self._fs = backend_for(self.root).supports_rename  # a file system: directories, renames, times
         if self._fs:
@@ -188,7 +190,7 @@ class CheckpointManager:
 
     # ------------------------------------------------------------ saving
 
-    def save(self, step: int, state: Mapping, **options) -> None:
+    def save(self, step: int, state: Mapping, **options: Any) -> None:
         """Save ``state`` as ``step`` (a collective, like :func:`tensorckpt.save`;
         ``options`` are passed on to it), then apply retention. ``step`` must
         not be older than the newest committed step; saving that step again
@@ -204,7 +206,7 @@ class CheckpointManager:
         self._committed(step)
 
     def async_save(self, step: int, state: Mapping, *, on_durable: Callable[[SaveHandle], None] | None = None,
-                   **options) -> SaveHandle:
+                   **options: Any) -> SaveHandle:
         """Like :meth:`save`, returning once the tensors are copied to host
         memory (:func:`tensorckpt.async_save`). Retention runs in the
         background once the step is committed, before the handle completes;
@@ -242,7 +244,7 @@ class CheckpointManager:
     def __enter__(self) -> CheckpointManager:
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.wait(raise_error=exc[0] is None)
 
     def _agree_on_step(self, step: int, overwrite: bool) -> None:
@@ -303,10 +305,8 @@ class CheckpointManager:
                                 tuple(x.url for x in e.leftovers)))
         return out
 
-    list = steps
-
     def restore(self, state: MutableMapping, step: int | None = None, *, strict: bool = True, partial: bool = False,
-                cast: bool = False, stats=None) -> int | None:
+                cast: bool = False, stats: LoadStats | None = None) -> int | None:
         """Load ``step`` (default: the newest committed one) into ``state`` in
         place, like :func:`tensorckpt.load` (``strict``, ``partial``, ``cast``
         as there), and return the step loaded; None (state untouched) when
@@ -330,11 +330,14 @@ class CheckpointManager:
             except Exception:  # raised on every rank alike (load's errors are collective)
                 if step is not None or attempt == RESTORE_ATTEMPTS - 1:
                     raise
-                gone = g.collective(None, lambda _, s=s: not self._scan().get(s, _Entry()).committed,
+                gone = g.collective(None, lambda _: self._uncommitted(s),  # noqa: B023 - runs now, in this iteration
                                     what=f"restore in {self.path}")
                 if not gone:
                     raise  # still committed: a real problem with the step, not a race with retention
         raise TensorckptError(f"{self.path}: restore gave up after {RESTORE_ATTEMPTS} attempts")  # pragma: no cover
+
+    def _uncommitted(self, step: int) -> bool:
+        return not self._scan().get(step, _Entry()).committed
 
     # ------------------------------------------------------------ retention
 
@@ -419,9 +422,12 @@ class CheckpointManager:
                 os.rename(best.path, target.path)
             kv.fsync_dir(self.root.path)
         else:  # as a replace commits on an object store (10.3): the root zarr.json last
+            root = kv.read(best, commit.ROOT_KEY)
+            if root is None:
+                return False  # gone since it was checked (removed by another process): nothing to recover
             kv.delete_all(target)
             kv.copy_all(best, target, skip=(commit.ROOT_KEY,))
-            kv.write(target, commit.ROOT_KEY, kv.read(best, commit.ROOT_KEY))
+            kv.write(target, commit.ROOT_KEY, root)
             _remove(best)
         return True
 
@@ -503,6 +509,8 @@ class CheckpointManager:
     def _retired(self) -> list[location.Location]:
         return [self._child(n) for n in sorted(self._names())
                 if n.startswith(".") and RETIRED_INFIX in n and parse_step_name(n[1 : n.index(RETIRED_INFIX)]) is not None]
+
+    list = steps  # defined last: in the class body, `list` then names this method, not the builtin
 
 
 def _valid_root(loc: location.Location) -> bool:

@@ -187,7 +187,7 @@ def test_errors_and_dcp_of_the_world3_run(hf, launched, monkeypatch):
     base, _ = hf
     out = [launched[r] for r in range(3)]
     assert all("no.such.weight" in o["failed"] for o in out)
-    assert all(o["failed"].startswith("(on rank 1)") for rank, o in enumerate(out) if rank != 1)
+    assert all("failed on rank 1 of 3: IncompatibleStateError:" in o["failed"] for o in out)  # every rank names it
     dcp_dir = str(base / "dcp3")
     # column chunks, read in slabs of 2 rows (stored objects of 80 bytes): each chunk is loaded once
     from tensorckpt.interchange.dcp import DCPSource

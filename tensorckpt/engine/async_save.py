@@ -116,7 +116,7 @@ class SaveHandle:
         if error is None and self._on_durable is not None:
             try:
                 self._on_durable(self)
-            except Exception as e:  # a failing callback must not hide that the save is durable
+            except Exception as e:  # noqa: BLE001 - a failing callback must not hide that the save is durable
                 print(f"tensorckpt: on_durable callback for {self.path} raised {e!r}", file=sys.stderr)
         if error is None:
             self._future.set_result(None)

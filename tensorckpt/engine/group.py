@@ -231,7 +231,8 @@ def combined(failures: list[Failure], what: str, size: int) -> errors.Tensorckpt
     if failures[0].gathered:
         msg = f"{what} failed on rank 0, which does this step for all {size} ranks: {failures[0].cls}: {failures[0].message}"
     elif len(alike) == 1:
-        msg = f"{what} failed on rank{'s' if len(ranks) > 1 else ''} {ranks if len(ranks) > 1 else ranks[0]} of {size}: {failures[0].cls}: {failures[0].message}"
+        who = f"rank{'s' if len(ranks) > 1 else ''} {ranks if len(ranks) > 1 else ranks[0]}"
+        msg = f"{what} failed on {who} of {size}: {failures[0].cls}: {failures[0].message}"
     else:
         msg = f"{what} failed on ranks {ranks} of {size}:" + "".join(
             f"\n  rank{'s' if len(rs) > 1 else ''} {rs if len(rs) > 1 else rs[0]}: {cls}: {message}"

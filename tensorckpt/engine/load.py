@@ -20,7 +20,7 @@ import time
 import warnings
 from collections.abc import MutableMapping
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 import tensorstore as ts
@@ -32,6 +32,7 @@ from ..adapters.state import flatten, set_leaf
 from ..checkpoint import open_pinned, parse_root_bytes
 from ..errors import IncompatibleStateError, TensorckptError
 from ..format import dtypes
+from ..format.metadata import TensorEntry
 from ..layout.boxes import Box, bytes_fetched
 from ..storage import direct, location
 from ..storage.backend import backend_for
@@ -47,7 +48,7 @@ class RootMessage(NamedTuple):
     resolved, and that version's directory id (spec 10.7)."""
 
     raw: bytes
-    version: object
+    version: tuple[int, int] | None  # local: the directory's (st_dev, st_ino); None elsewhere
 
 
 class KeyReport(NamedTuple):
@@ -81,9 +82,9 @@ class LoadStats:
 
 def load(
     state: MutableMapping,
-    path,
+    path: location.PathArg,
     *,
-    process_group=None,
+    process_group: Any = None,
     strict: bool = True,
     partial: bool = False,
     cast: bool = False,
@@ -139,8 +140,8 @@ def load(
         ckpt.close()
 
 
-def _load(state: MutableMapping, ckpt: StoredArrays, g: Group, version, strict: bool, partial: bool, cast: bool,
-          stats: LoadStats | None, t0: float) -> MutableMapping:
+def _load(state: MutableMapping, ckpt: StoredArrays, g: Group, version: tuple[int, int] | None, strict: bool,
+          partial: bool, cast: bool, stats: LoadStats | None, t0: float) -> MutableMapping:
     what = f"load from {ckpt.location}"
     index = ckpt.index
     ctx = registry.Context(state, g.rank, g.size, strict=strict, partial=partial)
@@ -222,7 +223,7 @@ def _targets(ckpt: StoredArrays, targets: dict, cast: bool) -> dict[str, tuple[t
     return reads
 
 
-def _slabs(e, box: Box, itemsize: int) -> list[tuple[slice, Box]]:
+def _slabs(e: TensorEntry, box: Box, itemsize: int) -> list[tuple[slice, Box]]:
     """``box`` cut along its first dimension into parts of at most
     ``SLAB_BYTES`` (one row at least), cut at multiples of the inner chunks'
     first dimension, so no stored inner chunk is decoded twice more than it
@@ -303,11 +304,12 @@ def _read_into(ckpt: StoredArrays, targets: dict[str, tuple[torch.Tensor, Box]],
                     held += part.numel * itemsize  # TensorStore holds what it decodes; the buffer too
                 while pending and in_flight + held > IN_FLIGHT_BYTES:
                     finish_oldest()
-                if key in srcs:
+                futures: list[Any]
+                if pool is not None and key not in srcs:
+                    futures = pool.read(key, e, part, dst)
+                else:
                     src = srcs[key][part.slices()] if part.shape else srcs[key]
                     futures = [ts.array(dst, copy=False, write=True).write(src)]
-                else:
-                    futures = pool.read(key, e, part, dst)
                 pending.append((key, futures, held, sub, buf, stored))
                 in_flight += held
         while pending:

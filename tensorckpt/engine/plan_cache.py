@@ -21,7 +21,6 @@ from earlier saves in the same process; after re-creating groups by hand).
 from __future__ import annotations
 
 import weakref
-from collections.abc import Mapping
 from typing import Any
 
 from ..layout.plan import LocalPlan, SavePlan

@@ -26,13 +26,19 @@ from ..errors import IncompatibleStateError, UnsupportedValueError
 from ..format import dtypes
 from ..storage import codec
 
-try:  # FSDP1's flat parameter (torch builds without distributed lack it)
-    from torch.distributed.fsdp._flat_param import FlatParameter
+FlatParameter: type[torch.Tensor] | None  # FSDP1's flat parameter (torch builds without distributed lack it)
+DTensor: type[torch.Tensor] | None
+try:
+    from torch.distributed.fsdp._flat_param import FlatParameter as _FlatParameter
+
+    FlatParameter = _FlatParameter
 except ImportError:  # pragma: no cover
     FlatParameter = None
 
 try:
-    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor import DTensor as _DTensor
+
+    DTensor = _DTensor
 except ImportError:  # pragma: no cover
     DTensor = None
 

@@ -32,10 +32,11 @@ from __future__ import annotations
 
 import datetime
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields, replace
 from typing import Any, NamedTuple
 
+import tensorstore as ts
 import torch
 
 from .. import __version__
@@ -50,6 +51,7 @@ from ..layout.boxes import Box, chunk_box, read_plan
 from ..layout.plan import (
     LocalItem,
     LocalPlan,
+    Piece,
     SavePlan,
     build_save_plan,
     merge_values,
@@ -166,7 +168,8 @@ class SaveStats:
 
 
 def save(
-    state: Mapping, path, *, process_group=None, overwrite: bool = False, stats: SaveStats | None = None, **options
+    state: Mapping, path: location.PathArg, *, process_group: Any = None, overwrite: bool = False,
+    stats: SaveStats | None = None, **options: Any
 ) -> None:
     """Save ``state`` (a dict of tensors and JSON-able data) to ``path``.
 
@@ -219,7 +222,8 @@ def run(state: Mapping, loc: location.Location, g: Group, overwrite: bool, optio
         local, digests = _local_plan(state, g, loc)
         layout = local.items
         same = plans.layout(cache_key) == layout
-        return LocalPlanMessage(replace(local, items=()) if same else local, same, digests)  # a hit sends only values
+        sent = LocalPlan(local.rank, (), local.values) if same else local  # a hit sends only values
+        return LocalPlanMessage(sent, same, digests)
 
     plan, c, meta, hit = g.collective(
         local_plan, lambda gathered: _decide(gathered, loc, overwrite, options, g.size, plans, cache_key),
@@ -240,7 +244,7 @@ def run(state: Mapping, loc: location.Location, g: Group, overwrite: bool, optio
             commit.abort(c)
         aborted = True
 
-    def write():
+    def write() -> RankResult:
         nonlocal aborted
         if err is not None:
             raise err
@@ -286,7 +290,7 @@ def _local_plan(state: Mapping, g: Group, loc: location.Location) -> tuple[Local
             items.append(LocalItem(key, dtypes.for_torch(t.dtype, key).torch_name, shape, box))
         else:
             values[key] = leaf.value
-    return LocalPlan(g.rank, tuple(items), values), digests_of(leaves, g.rank) if g.distributed else {}
+    return LocalPlan(g.rank, items, values), digests_of(leaves, g.rank) if g.distributed else {}
 
 
 def _decide(gathered: list[LocalPlanMessage], loc: location.Location, overwrite: bool, options: SaveOptions,
@@ -297,7 +301,7 @@ def _decide(gathered: list[LocalPlanMessage], loc: location.Location, overwrite:
     check_replicas([m.digests for m in gathered])
     cached = cache.plan(cache_key)
     hit = cached is not None and all(m.same_layout for m in gathered)
-    if hit:
+    if hit and cached is not None:
         plans = [replace(old, values=m.plan.values) for old, m in zip(cached[0], gathered)]
         plan = replace(cached[1], values=merge_values(plans))
     else:
@@ -321,7 +325,7 @@ def _decide(gathered: list[LocalPlanMessage], loc: location.Location, overwrite:
         tensors=plan.entries,
         values=plan.values,
         library_version=__version__,
-        created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        created=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         world_size=world,
         user_metadata=user,
     )
@@ -369,11 +373,11 @@ def _exchange(state: Mapping, plan: SavePlan, g: Group) -> tuple[dict, BaseExcep
     return received, None
 
 
-def _nbytes(plan: SavePlan, p) -> int:
+def _nbytes(plan: SavePlan, p: Piece) -> int:
     return p.box.numel * plan.entries[p.key].itemsize
 
 
-def _pack(state: Mapping, sends: list) -> torch.Tensor:
+def _pack(state: Mapping, sends: list[Piece]) -> torch.Tensor:
     """The pieces this rank sends, as bytes, in order."""
     leaves = flatten(state, check_values=False)
     parts = [torch.empty(0, dtype=torch.uint8)]
@@ -431,21 +435,21 @@ def _write_local(
         for key, box in mine:
             t0 = time.perf_counter()
             if key not in host:
-                t, _, held = local_part(key, leaves[key].value)
-                host = {key: (_host(t), held)}
-            t, held = host[key]
+                tensor, _, held = local_part(key, leaves[key].value)
+                host = {key: (_host(tensor), held)}
+            tensor, held = host[key]
             if box != held:  # a chunk of a re-gridded tensor
-                t = _assemble(box, t, held, received.get(key, ()))
+                tensor = _assemble(box, tensor, held, received.get(key, []))
             staging += time.perf_counter() - t0
             if not box.numel:
                 continue
-            data = dtypes.to_numpy(t)
+            data = dtypes.to_numpy(tensor)
             if (key, box) in small:  # one inner chunk: encoded here, written in one batch below
                 encoded[f"{key}/{arrays.chunk_key(small[key, box])}"] = arrays.encode_whole_chunk(plan.entries[key], data)
             else:  # one write per stored object: a failure settles only once all are done
                 e = plan.entries[key]
                 for p in read_plan(e.shape, e.chunk_shape, box):
-                    if key in fast and p.src == chunk_box(p.chunk, e.chunk_shape, e.shape):
+                    if writer is not None and key in fast and p.src == chunk_box(p.chunk, e.chunk_shape, e.shape):
                         writes.append((key, writer.write(key, e, p.chunk, data[p.dst.slices()])))
                     else:
                         if key not in opened:
@@ -468,26 +472,27 @@ def _write_local(
     stats._phase("sync", t)
 
 
-def _settle(loc, writes, opened, meta_write, small_write) -> Exception | None:
+def _settle(loc: location.Location, writes: list[tuple[str, Any]], opened: dict[str, ts.Future],
+            meta_write: Callable[[], None], small_write: Callable[[], None]) -> Exception | None:
     """Wait for every issued write; return the first failure."""
     failure = None
     for key, w in writes:
         try:
             w.result()
-        except Exception as e:  # TensorStore raises ValueError with a status string
+        except Exception as e:  # noqa: BLE001 - every write is waited for; the first failure is returned
             failure = failure or TensorckptError(f"{loc}: writing tensor {key!r} failed: {e}")
     for f in opened.values():
         try:
             f.result()
-        except Exception as e:
+        except Exception as e:  # noqa: BLE001 - as above (TensorStore raises ValueError with a status string)
             failure = failure or TensorckptError(f"{loc}: opening an array failed: {e}")
     try:
         meta_write()
-    except Exception as e:
+    except Exception as e:  # noqa: BLE001 - as above
         failure = failure or TensorckptError(f"{loc}: writing metadata failed: {e}")
     try:
         small_write()
-    except Exception as e:
+    except Exception as e:  # noqa: BLE001 - as above
         failure = failure or TensorckptError(f"{loc}: writing small tensors failed: {e}")
     return failure
 

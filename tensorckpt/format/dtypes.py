@@ -66,7 +66,7 @@ def for_torch(dtype: torch.dtype, key: str = "?") -> DType:
     return d
 
 
-def for_name(name: str, where: str) -> DType:
+def for_name(name: object, where: str) -> DType:
     """Look up a stored torch dtype name (untrusted)."""
     d = BY_TORCH.get(name) if isinstance(name, str) else None
     if d is None:

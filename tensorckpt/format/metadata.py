@@ -24,7 +24,7 @@ import json
 import math
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, fields
-from typing import Any, TypedDict, cast
+from typing import Any, NoReturn, TypedDict, cast
 
 import torch
 
@@ -248,7 +248,7 @@ def root_group_json(meta: RootMetadata) -> bytes:
     doc = meta._members(None)
     tensors = "{" + ", ".join(f"{_text(k)}: {entry_json(meta.tensors[k])}" for k in sorted(meta.tensors)) + "}"
     attrs = "{" + ", ".join(f"{_text(k)}: {tensors if k == 'tensors' else _text(v)}" for k, v in doc.items()) + "}"
-    return f'{{"zarr_format": 3, "node_type": "group", "attributes": {{{_text(ATTRIBUTE)}: {attrs}}}}}'.encode("utf-8")
+    return f'{{"zarr_format": 3, "node_type": "group", "attributes": {{{_text(ATTRIBUTE)}: {attrs}}}}}'.encode()
 
 
 @functools.lru_cache(maxsize=1 << 16)
@@ -415,7 +415,7 @@ def _depth(doc: object) -> int:
     return deepest
 
 
-def _reject_constant(name: str):
+def _reject_constant(name: str) -> NoReturn:
     raise ValueError(f"{name} is not JSON")
 
 

@@ -16,7 +16,8 @@ CPU tensor of the stored dtype. ``stats`` (a :class:`tensorckpt.LoadStats`)
 reports bytes read and needed per rank; they are equal.
 
 Only the headers are read in full; errors (a missing tensor, a shape or
-dtype that differs) are gathered so that every rank raises the same one.
+dtype that differs) are shared through ``Group.collective``, as in save and
+load, so that every rank raises the same one, naming every failing rank.
 """
 
 from __future__ import annotations
@@ -29,7 +30,6 @@ from typing import Any, TypeVar
 import numpy as np
 import torch
 
-from .. import errors
 from ..adapters.sharded import local_part
 from ..adapters.state import flatten
 from ..engine.group import Group
@@ -88,38 +88,23 @@ def load_safetensors(
     g = Group(process_group)
     stats = stats if stats is not None else LoadStats()
     target = _tensors_of(state)
-    source, reads = _together(g, _plan, target, os.fspath(hf_dir), rename, cast, strict)
+    what = f"load_safetensors from {os.fspath(hf_dir)}"
+    source, reads = _together(g, what, _plan, target, os.fspath(hf_dir), rename, cast, strict)
     try:
-        _together(g, _read_all, source, reads, stats)
+        _together(g, what, _read_all, source, reads, stats)
     finally:
         source.close()
     return state
 
 
-def _together(g: Group, fn: Callable[..., T], *args: Any) -> T:
-    """``fn(*args)`` on every rank; if it fails on any, every rank raises
-    (the failing rank its own error, the others one of the same class naming
-    that rank), so that no rank goes on alone. One all-gather."""
-    err: Exception | None = None
-    try:
-        result = fn(*args)
-    except Exception as e:  # noqa: BLE001 - shared with every rank below
-        err = e
-    if not g.distributed:
-        if err is not None:
-            raise err
-        return result
-    everyone = g.all_gather(None if err is None else (type(err).__name__, str(err)))
-    for rank, failed in enumerate(everyone):
-        if failed is None:
-            continue
-        if err is not None:
-            raise err
-        cls = getattr(errors, failed[0], None)
-        if not (isinstance(cls, type) and issubclass(cls, errors.TensorckptError)):
-            cls = errors.TensorckptError
-        raise cls(f"(on rank {rank}) {failed[1]}")
-    return result  # bound: a failure on this rank was raised above
+def _together(g: Group, what: str, fn: Callable[..., T], *args: Any) -> T:
+    """``fn(*args)`` on every rank, as one step of :meth:`Group.collective`:
+    if it fails on any rank, every rank raises the same error, naming every
+    failing rank, so that no rank goes on alone. The results stay on their
+    ranks (only success or failure travels). One all-gather."""
+    out: list[T] = []
+    g.collective(lambda: out.append(fn(*args)), what=what)
+    return out[0]
 
 
 def _tensors_of(node: object) -> object:

@@ -22,7 +22,7 @@ import json
 import zlib
 from collections import Counter
 from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import overload
 
 import numpy as np
@@ -128,15 +128,16 @@ def decode_table(table: bytes) -> tuple[Spec, ...]:
     return tuple((k, d, tuple(s)) for k, d, s in json.loads(zlib.decompress(table)))
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, init=False)
 class LocalPlan:
     """What ``rank`` holds: ``items`` (any iterable of :class:`LocalItem`,
     kept as :class:`LocalItems`) and its non-tensor ``values``."""
 
     rank: int
     items: LocalItems
-    values: dict = field(default_factory=dict)  # flat key -> JSON value
+    values: dict  # flat key -> JSON value
 
-    def __post_init__(self) -> None:
-        if not isinstance(self.items, LocalItems):
-            object.__setattr__(self, "items", LocalItems.of(self.items))
+    def __init__(self, rank: int, items: Iterable[LocalItem], values: dict | None = None) -> None:
+        object.__setattr__(self, "rank", rank)
+        object.__setattr__(self, "items", items if isinstance(items, LocalItems) else LocalItems.of(items))
+        object.__setattr__(self, "values", {} if values is None else values)

@@ -66,7 +66,7 @@ def _hardware_crc() -> Crc | None:
             continue
         fn = lib.crc32c_extend
         fn.restype, fn.argtypes = ctypes.c_uint32, [ctypes.c_uint32, ctypes.c_void_p, ctypes.c_size_t]
-        return fn  # type: ignore[no-any-return]  # ctypes functions are untyped
+        return fn
     return None
 
 

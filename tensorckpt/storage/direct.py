@@ -38,7 +38,9 @@ import os
 import stat
 import sys
 import threading
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
 
 import numpy as np
 
@@ -113,7 +115,7 @@ class Writer:
             os.close(fd)
 
 
-def _submit(pool: ThreadPoolExecutor, fn, *args) -> Future:
+def _submit(pool: ThreadPoolExecutor, fn: Callable[..., Any], *args: Any) -> Future:
     """``pool.submit``, or run now on this thread once the interpreter is
     exiting (an async save finishing at exit may no longer start threads)."""
     try:
@@ -122,7 +124,7 @@ def _submit(pool: ThreadPoolExecutor, fn, *args) -> Future:
         done: Future = Future()
         try:
             done.set_result(fn(*args))
-        except Exception as e:
+        except Exception as e:  # noqa: BLE001 - the future carries it, as pool.submit's would
             done.set_exception(e)
         return done
 
@@ -145,7 +147,7 @@ class Pool:
     def __enter__(self) -> Pool:
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
     def close(self) -> None:
@@ -158,7 +160,7 @@ class Pool:
         return [_submit(self._pool, self._run, key, entry, p.chunk, want, dst)
                 for p in read_plan(entry.shape, entry.chunk_shape, want)]
 
-    def _run(self, *job) -> None:
+    def _run(self, *job: Any) -> None:
         reader = getattr(self._local, "reader", None)
         if reader is None:
             reader = self._local.reader = Reader(self.root, self.url)

@@ -57,7 +57,10 @@ class Location:
         return self.url
 
 
-def parse(path: str | os.PathLike | Location) -> Location:
+PathArg = str | os.PathLike | Location  # what the public functions accept as a checkpoint's path
+
+
+def parse(path: PathArg) -> Location:
     if isinstance(path, Location):
         return path
     if isinstance(path, os.PathLike):
