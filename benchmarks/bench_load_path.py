@@ -6,7 +6,13 @@ a raw read of the same bytes from one file, the variants alternated in every
 repetition; medians are compared, never times across runs.
 
     .venv/bin/python benchmarks/bench_load_path.py [--size-gib 1.0] [--reps 5] [--procs 1] [--dir DIR]
-        [--threads 1,2,4] [--buffers 1,4]
+        [--threads 1,2,4] [--buffers 1,4] [--rows]
+
+``--threads`` / ``--buffers`` compare the direct reader's thread count and
+buffer size (``direct.THREADS`` / ``direct.BUFFER_BYTES``); ``--rows`` adds a
+checkpoint of the same state whose inner chunks are row slabs (whole trailing
+dimensions, ~256 KiB: contiguous in a same-layout target) instead of the
+writer's near-square ones, to weigh that writer choice.
 
 ``--procs 2`` runs two such processes at once (each its own copy of the
 files, started together, the slowest one's time counts): world 2's
@@ -15,7 +21,8 @@ contention for cores and disk without a process group.
 Then one more tensorckpt load per repetition with the direct reader's time
 split (summed over its threads, so it can exceed the wall time): open +
 fstat + index + plan_reads, ``preadv``, CRC-32C, the copy into the target and
-the rest of the Python work per inner chunk.
+the rest of the Python work per inner chunk (a timed copy of
+``direct.Reader._read_inner``: keep the two alike).
 """
 
 from __future__ import annotations
@@ -29,6 +36,8 @@ import tempfile
 import threading
 import time
 import warnings
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import torch
@@ -39,6 +48,8 @@ from common import drop_caches
 import tensorckpt
 from tensorckpt.layout import grid
 from tensorckpt.storage import codec, direct
+
+WAIT_S = 900  # a worker that failed (its error is on stderr) stops the run after this
 
 
 def local_state(size_gib: float) -> dict:
@@ -64,17 +75,17 @@ class Split:
                 self.t[k] += v
 
 
-def instrument(split: Split):
+def instrument(split: Split) -> Callable[[], None]:
     """Replace Reader.read_object/_read_inner with timed copies; returns an undo."""
     orig_obj, orig_inner = direct.Reader.read_object, direct.Reader._read_inner
 
-    def read_object(self, *a):
+    def read_object(self: direct.Reader, *a: Any) -> None:
         t0 = time.perf_counter()
         self._inner_s = 0.0
         orig_obj(self, *a)
         split.add(object=time.perf_counter() - t0 - self._inner_s)
 
-    def _read_inner(self, fd, reads, dst):
+    def _read_inner(self: direct.Reader, fd: int, reads: codec.Reads, dst: np.ndarray) -> None:
         t_in = time.perf_counter()
         g = reads.geometry
         if len(self._buf) < reads.most:
@@ -139,7 +150,7 @@ def crc_and_copy_floor(nbytes: int) -> dict[str, float]:
     return {"crc GB/s": nbytes / c / 1e9, "copy GB/s": nbytes / (time.perf_counter() - t) / 1e9}
 
 
-def worker(rank: int, args, scratch: str, barrier, out) -> None:
+def worker(rank: int, args: argparse.Namespace, scratch: str, barrier: Any, out: Any) -> None:
     """Save this rank's state three ways, then run every variant in the
     order the parent names, each between barriers (the parent drops the page
     cache before each), sending back (name, wall s, CPU s, reader split)."""
@@ -176,8 +187,7 @@ def worker(rank: int, args, scratch: str, barrier, out) -> None:
             dcp.load(target, checkpoint_id=f"{base}/dcp", no_dist=True)
 
     def tc_load(kind: str) -> None:
-        direct.DIRECT = not kind.endswith("-bounce")
-        tensorckpt.load(target, f"{base}/{kind.removesuffix('-bounce')}")
+        tensorckpt.load(target, f"{base}/{kind}")
 
     for name in iter(lambda: barrier_and_get(barrier, args.order), None):
         kind, threads, mib, timed = name
@@ -199,7 +209,7 @@ def worker(rank: int, args, scratch: str, barrier, out) -> None:
                     raise SystemExit(f"FAIL: {k} differs after load")
 
 
-def barrier_and_get(barrier, order):
+def barrier_and_get(barrier: Any, order: Any) -> Any:
     barrier.wait()  # the parent has put the next variant in ``order`` and dropped the cache
     return order.get()
 
@@ -224,14 +234,14 @@ def main() -> None:
         procs.append(ctx.Process(target=worker, args=(r, a, scratch, barrier, out)))
         procs[-1].start()
     try:
-        _, tensors, nbytes = out.get()
+        _, tensors, nbytes = out.get(timeout=WAIT_S)
         print(
             f"{args.procs} process(es), each {tensors} tensors, {nbytes / 2**20:.0f} MiB (one rank of world 2); "
             f"one-thread floors: {crc_and_copy_floor(64 << 20)}",
             flush=True,
         )
         variants = [("raw", 1, 1, False), ("dcp", 1, 1, False)]
-        kinds = ["tc", "tc-bounce"] + (["rows", "rows-bounce"] if args.rows else [])
+        kinds = ["tc"] + (["rows"] if args.rows else [])
         variants += [
             (k, int(n), int(m), False) for k in kinds for n in args.threads.split(",") for m in args.buffers.split(",")
         ]
@@ -246,9 +256,9 @@ def main() -> None:
                 for q in queues:
                     q.put(v)
                 drop_caches()
-                barrier.wait()  # workers take v
-                barrier.wait()  # and start together
-                got = [out.get() for _ in procs]
+                barrier.wait(WAIT_S)  # workers take v
+                barrier.wait(WAIT_S)  # and start together
+                got = [out.get(timeout=WAIT_S) for _ in procs]
                 if v[3]:
                     splits.append((max(g[1] for g in got), got[0][3], got[0][4]))
                 else:
@@ -256,7 +266,7 @@ def main() -> None:
                     cpu[v].append(sum(g[2] for g in got))
         for q in queues:
             q.put(None)
-        barrier.wait()
+        barrier.wait(WAIT_S)
         dcp_t = times[variants[1]]
         print(
             f"\nmedians of {args.reps} alternating cold loads (s, slowest process; range), the median of the "
@@ -277,6 +287,8 @@ def main() -> None:
     finally:
         for p in procs:
             p.join(timeout=60)
+            if p.is_alive():
+                p.terminate()
         shutil.rmtree(scratch, ignore_errors=True)
 
 

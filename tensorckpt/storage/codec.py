@@ -219,15 +219,6 @@ class Reads:
                 f"{self.where}, inner chunk {_name(self.names[k])}, fails its CRC-32C checksum: the stored data is corrupt"
             )
 
-    def check_at(self, k: int, addr: int, stored: memoryview) -> None:
-        """Check the CRC-32C of inner chunk ``k``, its elements at address
-        ``addr`` (read straight into the destination), its stored CRC-32C
-        the 4 bytes of ``stored``."""
-        if self.crc(0, addr, self.geometry.encoded - 4) != int.from_bytes(stored, "little"):
-            raise CorruptCheckpointError(
-                f"{self.where}, inner chunk {_name(self.names[k])}, fails its CRC-32C checksum: the stored data is corrupt"
-            )
-
     def short(self, got: int, nbytes: int) -> CorruptCheckpointError:
         """The error for a read of ``nbytes`` that returned ``got``."""
         return CorruptCheckpointError(f"{self.where}, is malformed (truncated or damaged): {got} of {nbytes} bytes read")

@@ -53,7 +53,6 @@ THREADS = 4  # stored objects read at once: reads of one overlap the checks and 
 WRITE_THREADS = 4  # stored objects written at once: one encodes while others wait on the disk
 MAX_INDEX_BYTES = 64 << 20  # larger shard indexes and inner chunks are left to TensorStore
 MAX_INNER_BYTES = 256 << 20
-DIRECT = True
 
 
 def available(local: bool) -> bool:
@@ -220,35 +219,18 @@ class Reader:
             os.close(fd)
 
     def _read_inner(self, fd: int, reads: codec.Reads, dst: np.ndarray) -> None:
-        """Read, check and copy into ``dst`` the inner chunks ``reads`` names.
-        An inner chunk whose elements are one contiguous, whole block of
-        ``dst`` is read straight into it (its CRC-32C next to it in the
-        buffer) and checked there; the others go through the buffer."""
+        """Read, check and copy into ``dst`` the inner chunks ``reads`` names."""
         g = reads.geometry
         if len(self._buf) < reads.most:
             self._buf = np.empty(reads.most, np.uint8)
         buf, addr, view = self._buf, self._buf.ctypes.data, self._buf.data
-        check, src, to, encoded, body = reads.check, reads.src, reads.dst, g.encoded, g.encoded - 4
+        check, src, to, encoded = reads.check, reads.src, reads.dst, g.encoded
         for first, a, b in reads.runs:
             nbytes = (b - a) * encoded
-            iov: list = []
-            into: dict[int, np.ndarray] = {}
-            for k in range(a, b):
-                at = (k - a) * encoded
-                part = dst[to[k]] if DIRECT and dst.ndim else None
-                if part is not None and part.size == g.numel and part.flags.c_contiguous:
-                    into[k] = part
-                    iov += [part.reshape(-1).view(np.uint8).data, view[at + body:at + encoded]]
-                else:
-                    iov.append(view[at:at + encoded])
-            got = os.preadv(fd, iov, first)
+            got = os.preadv(fd, [view[:nbytes]], first)
             if got != nbytes:
                 raise reads.short(got, nbytes)
             for k in range(a, b):
                 at = (k - a) * encoded
-                part = into.get(k)
-                if part is not None:
-                    reads.check_at(k, part.ctypes.data, view[at + body:at + encoded])
-                    continue
                 check(k, view, addr, at)
                 dst[to[k]] = np.frombuffer(buf, g.dtype, count=g.numel, offset=at).reshape(g.inner)[src[k]]
