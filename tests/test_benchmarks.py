@@ -18,6 +18,7 @@ CASES = {
     "bench_dist": ["--size-gib", "0.03", "--reps", "1", "--dcp-threads", "2"],
     "bench_background": ["--size-gib", "0.01", "--reps", "1", "--baseline-s", "0.3", "--savers", "tensorckpt,dcp thread"],
     "bench_plan_scale": ["--ranks", "64", "128", "--layers", "2"],
+    "bench_load_path": ["--size-gib", "0.02", "--reps", "1", "--procs", "2", "--rows"],
 }
 
 
