@@ -3,11 +3,14 @@ torch.save + fsync vs tensorckpt (fsync of exactly what it wrote) vs
 tensorckpt as before (one syncfs of the whole file system) vs torch DCP.
 
     .venv/bin/python benchmarks/bench_durable.py [--small-kib 16] [--large-mib 512] [--reps 5]
-        [--large-reps 3] [--noise-mib 1024] [--dir DIR] [--json PATH] [--no-world2]
+        [--large-reps 3] [--many 2000] [--noise-mib 1024] [--noise-warmup-s 3] [--dir DIR] [--json PATH]
+        [--no-world2]
 
 Rows: a small state (--small-kib of fp32 in 4 tensors, world 1) and a large
 one (--large-mib in 8 tensors, world 1 and world 2: Shard(0) DTensors over
-two gloo ranks), each without and with a *noisy neighbour*: a separate
+two gloo ranks) and many small tensors (--many of 64 fp32 each, world 1:
+two files and two directories each, where one syncfs costs least on a quiet
+machine), each without and with a *noisy neighbour*: a separate
 process writing --noise-mib to a file on the same file system over and over,
 never syncing, so the page cache holds that much dirty data whenever a save
 ends. Every save is durable before the clock stops:
@@ -149,10 +152,10 @@ def worker(rank: int, world: int, args: dict, scratch: str) -> dict[str, list[fl
 class Neighbour:
     """A process that keeps ``mib`` MiB of page cache dirty on the file system of ``where``."""
 
-    def __init__(self, where: str, mib: int) -> None:
+    def __init__(self, where: str, mib: int, warmup_s: float) -> None:
         self.path = os.path.join(where, "neighbour.bin")
         self.proc = subprocess.Popen([sys.executable, "-c", NOISE, self.path, str(mib)])
-        time.sleep(3.0)  # let the dirty data build up
+        time.sleep(warmup_s)  # let the dirty data build up
 
     def stop(self) -> None:
         self.proc.kill()
@@ -176,7 +179,9 @@ def main() -> None:
     ap.add_argument("--large-mib", type=float, default=512)
     ap.add_argument("--reps", type=int, default=5, help="reps of the small rows")
     ap.add_argument("--large-reps", type=int, default=3)
+    ap.add_argument("--many", type=int, default=2000, help="tensors of the many-small row (0: no such row)")
     ap.add_argument("--noise-mib", type=int, default=1024)
+    ap.add_argument("--noise-warmup-s", type=float, default=3.0, help="how long the neighbour writes before a row")
     ap.add_argument("--dir", default=None, help="where to write (default: a temporary directory)")
     ap.add_argument("--json", default=None)
     ap.add_argument("--no-world2", action="store_true", help="skip the world-2 rows")
@@ -188,11 +193,13 @@ def main() -> None:
     rows = [("small", 1, int(args.small_kib * 1024), 4, args.reps), ("large", 1, int(args.large_mib * 2**20), 8, args.large_reps)]
     if not args.no_world2:
         rows.append(("large", 2, int(args.large_mib * 2**20), 8, args.large_reps))
+    if args.many:
+        rows.append(("many", 1, args.many * 256, args.many, args.large_reps))
     results = []
     try:
         for noisy in (False, True):
             for name, world, nbytes, parts, reps in rows:
-                neighbour = Neighbour(scratch, args.noise_mib) if noisy else None
+                neighbour = Neighbour(scratch, args.noise_mib, args.noise_warmup_s) if noisy else None
                 try:
                     base = tempfile.mkdtemp(dir=scratch)
                     cfg = {"bytes": nbytes, "parts": parts, "reps": reps}

@@ -18,7 +18,8 @@ CASES = {
     "bench_dist": ["--size-gib", "0.03", "--reps", "1", "--dcp-threads", "2"],
     "bench_background": ["--size-gib", "0.01", "--reps", "1", "--baseline-s", "0.3", "--savers", "tensorckpt,dcp thread"],
     "bench_plan_scale": ["--ranks", "64", "128", "--layers", "2"],
-    "bench_durable": ["--small-kib", "4", "--large-mib", "2", "--reps", "1", "--large-reps", "1", "--noise-mib", "16"],
+    "bench_durable": ["--small-kib", "4", "--large-mib", "2", "--reps", "1", "--large-reps", "1", "--many", "20", "--noise-mib", "16",
+                      "--noise-warmup-s", "0.2"],
 }
 
 
