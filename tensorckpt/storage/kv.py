@@ -96,12 +96,18 @@ def sync_files(root: str, keys: Collection[str], fsynced: Collection[str] = ()) 
             dirs.add(d)
             d = os.path.dirname(d)
     paths = [*files, *(os.path.join(root, d) for d in dirs), root]
-    if len(paths) <= 2:
-        for p in paths:
-            _fsync(p)
-        return
-    with ThreadPoolExecutor(min(SYNC_THREADS, len(paths)), thread_name_prefix="tensorckpt-sync") as pool:
-        list(pool.map(_fsync, paths))  # raises the first failure
+    if len(paths) > 2:
+        with ThreadPoolExecutor(min(SYNC_THREADS, len(paths)), thread_name_prefix="tensorckpt-sync") as pool:
+            try:
+                futures = [pool.submit(_fsync, p) for p in paths]
+            except RuntimeError:  # the interpreter is exiting (an async save finishing at exit): no new threads
+                futures = []
+        if futures:
+            for f in futures:
+                f.result()  # raises the first failure
+            return
+    for p in paths:
+        _fsync(p)
 
 
 def sync_tree(path: str) -> None:
