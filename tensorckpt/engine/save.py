@@ -427,7 +427,7 @@ def _write_local(
     writer = backend.chunk_writer(loc) if fast else None
     opened = {k: arrays.open_write(loc, k, plan.entries[k]) for k in {k for k, b in mine if (k, b) not in small} - fast}
     writes, encoded, small_write = [], {}, lambda: None
-    written, fsynced = list(objects), set()  # the keys of every object this rank writes; those already durable
+    written, fsynced = set(objects), set()  # the keys of every object this rank writes; those already durable
     start, staging = time.perf_counter(), 0.0
     try:
         host: dict[str, tuple[torch.Tensor, Box]] = {}  # the current key: its chunks share one host copy
@@ -448,16 +448,16 @@ def _write_local(
             else:  # one write per stored object: a failure settles only once all are done
                 e = plan.entries[key]
                 for p in read_plan(e.shape, e.chunk_shape, box):
-                    written.append(f"{key}/{arrays.chunk_key(p.chunk)}")
+                    written.add(name := f"{key}/{arrays.chunk_key(p.chunk)}")
                     if key in fast and p.src == chunk_box(p.chunk, e.chunk_shape, e.shape):
                         writes.append((key, writer.write(key, e, p.chunk, data[p.dst.slices()])))
-                        fsynced.add(written[-1])
+                        fsynced.add(name)
                     else:
                         if key not in opened:
                             opened[key] = arrays.open_write(loc, key, e)
                         writes.append((key, opened[key].result()[p.src.slices()].write(data[p.dst.slices()])))
         small_write = kv.write_many_async(loc, encoded)
-        written += encoded
+        written.update(encoded)
     finally:
         failure = _settle(loc, writes, opened, meta_write, small_write)
         if writer is not None:

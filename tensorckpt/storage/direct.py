@@ -20,8 +20,9 @@ Writing is the mirror image: each stored object is encoded in a reused
 buffer, inner chunk by inner chunk in C order (elements, then their
 CRC-32C), written with ``os.write``, the index last, and fsynced right
 away on the same thread, so the disk works while other threads encode the
-next ones and the save's sync pass has only directories left to flush. The bytes are TensorStore's
-(tests/test_direct.py compares them).
+next ones and the save's sync pass (``kv.sync_files``) has only their
+directories left. The bytes are TensorStore's (tests/test_direct.py
+compares them).
 
 Nothing here trusts the stored object: its size, the index CRC, every
 index entry (offset, length == the inner chunk's encoded size, inside the
