@@ -4,7 +4,7 @@
 
 One deterministic fp32 transformer-like state dict is saved and loaded by each
 method, --reps times, round-robin. Every save is durable before the clock
-stops (tensorckpt: syncfs before its atomic rename; torch.save: fsync of the
+stops (tensorckpt: fsync of its files and directories before its atomic rename; torch.save: fsync of the
 file and its directory; DCP: FileSystemWriter's default sync_files=True, an
 fsync per file). Every load fills the same preallocated target (zeroed
 beforehand), is checked with torch.equal, and starts from a dropped page cache
@@ -173,7 +173,7 @@ def main() -> None:
               for other in ("dcp", "torch.save")}
 
     loads = "cold (page cache dropped before each load)" if cold_failure is None else f"WARM (could not drop page cache: {cold_failure})"
-    print(f"\nloads: {loads}; saves: durable (fsync/syncfs) before the clock stops; DCP FileSystemWriter sync_files=True (default)")
+    print(f"\nloads: {loads}; saves: durable (fsync) before the clock stops; DCP FileSystemWriter sync_files=True (default)")
     print(f"medians over {args.reps} reps, {nbytes / 1e9:.3f} GB of tensor data\n")
     fmt = lambda xs: " ".join(f"{x:5.2f}" for x in xs)  # noqa: E731
     w = max(len("save s (each rep)"), 6 * args.reps) + 2
@@ -188,7 +188,7 @@ def main() -> None:
         "benchmark": "bench_single", "size_bytes": nbytes, "num_tensors": ntensors, "dtype": "float32",
         "d_model": args.d_model, "seed": args.seed, "reps": args.reps, "scratch_parent": os.path.dirname(scratch),
         "cold_loads": cold_failure is None, "drop_caches_error": cold_failure,
-        "durability": {"tensorckpt": "syncfs before atomic rename commit", "torch.save": "fsync file + dir",
+        "durability": {"tensorckpt": "fsync of each file + dir written, then atomic rename commit", "torch.save": "fsync file + dir",
                        "dcp": "FileSystemWriter sync_files=True (fsync per file + .metadata)"},
         "versions": {"python": platform.python_version(), "torch": torch.__version__,
                      "tensorstore": importlib.metadata.version("tensorstore"),

@@ -90,18 +90,18 @@ def _worker(rank: int, world: int, base: str) -> dict:
 
     from tensorckpt.storage import kv
 
-    inner = kv.sync_tree
+    inner = kv.sync_files
 
-    def slow(path):
+    def slow(*args):
         if rank == 1:
             time.sleep(0.5)
-        return inner(path)
+        return inner(*args)
 
-    kv.sync_tree = slow
+    kv.sync_files = slow
     try:
         tensorckpt.save(state(5), f"{base}/straggler")
     finally:
-        kv.sync_tree = inner
+        kv.sync_files = inner
 
     # 6. a saver of one's own: its own background group, buffers and plan cache; closed at the end
     with tensorckpt.AsyncSaver() as saver:

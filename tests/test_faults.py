@@ -438,7 +438,7 @@ class Injector:
 
     def __init__(self, monkeypatch, k: int, code: int) -> None:
         self.k, self.code, self.calls = k, code, []
-        for name in ("write", "delete", "delete_all", "copy_all", "sync_tree", "fsync_dir"):
+        for name in ("write", "delete", "delete_all", "copy_all", "sync_tree", "sync_files", "fsync_dir"):
             monkeypatch.setattr(kv, name, self._wrap(name, getattr(kv, name)))
         inner = kv.write_many_async
 
@@ -506,7 +506,7 @@ def _save(mode: str, state, path, overwrite: bool):
 
 
 # sync_tree: engine/save.py raises a failing sync as a bare OSError (known, see test below)
-UNWRAPPED = {"sync_tree"}
+UNWRAPPED = {"sync_tree", "sync_files"}
 
 
 @pytest.mark.parametrize("where", ["file", "memory"])
@@ -578,10 +578,10 @@ def test_every_storage_operation_failing(tmp_path, monkeypatch, mem_url, where, 
 @pytest.mark.regression(reason="fixed bug: engine/save.py raised a failing sync (kv.sync_tree) as a bare OSError "
                         "without the path; and kv.sync_tree fell back to os.sync() when syncfs failed, hiding the error")
 def test_failing_sync_is_a_tensorckpt_error(tmp_path, monkeypatch):
-    def sync_tree(path):
+    def sync_files(*args):
         raise OSError(errno.EIO, "Input/output error")
 
-    monkeypatch.setattr(kv, "sync_tree", sync_tree)
+    monkeypatch.setattr(kv, "sync_files", sync_files)
     with pytest.raises(tensorckpt.TensorckptError):
         tensorckpt.save(_small(1), tmp_path / "c")
 

@@ -411,7 +411,9 @@ def _write_local(
     state: Mapping, plan: SavePlan, loc: location.Location, rank: int, stats: SaveStats, received: dict | None = None
 ) -> None:
     """Write this rank's boxes (or chunks, assembled with the ``received``
-    pieces) and metadata objects, all concurrently, then sync. Whatever
+    pieces) and metadata objects, all concurrently, then make exactly those
+    objects durable (the ones :meth:`Backend.chunk_writer` wrote are as
+    they are written; only their directories are left). Whatever
     happens, every write issued is finished before returning, so an abort
     that follows cannot race a write still in flight."""
     received = received or {}
@@ -426,9 +428,10 @@ def _write_local(
     small = {(k, b): pos for k, b in mine if (pos := arrays.whole_chunk(plan.entries[k], b)) is not None}
     own = backend.fast_chunks  # encode stored objects here rather than through TensorStore
     fast = {k for k, b in mine if own and (k, b) not in small and direct.usable(plan.entries[k])}
-    writer = backend.chunk_writer(loc, arrays.SYNC_OBJECT_BYTES) if fast else None
+    writer = backend.chunk_writer(loc) if fast else None
     opened = {k: arrays.open_write(loc, k, plan.entries[k]) for k in {k for k, b in mine if (k, b) not in small} - fast}
     writes, encoded, small_write = [], {}, lambda: None
+    written, fsynced = set(objects), set()  # the keys of every object this rank writes; those already durable
     start, staging = time.perf_counter(), 0.0
     try:
         host: dict[str, tuple[torch.Tensor, Box]] = {}  # the current key: its chunks share one host copy
@@ -449,13 +452,16 @@ def _write_local(
             else:  # one write per stored object: a failure settles only once all are done
                 e = plan.entries[key]
                 for p in read_plan(e.shape, e.chunk_shape, box):
+                    written.add(name := f"{key}/{arrays.chunk_key(p.chunk)}")
                     if writer is not None and key in fast and p.src == chunk_box(p.chunk, e.chunk_shape, e.shape):
                         writes.append((key, writer.write(key, e, p.chunk, data[p.dst.slices()])))
+                        fsynced.add(name)
                     else:
                         if key not in opened:
                             opened[key] = arrays.open_write(loc, key, e)
                         writes.append((key, opened[key].result()[p.src.slices()].write(data[p.dst.slices()])))
         small_write = kv.write_many_async(loc, encoded)
+        written.update(encoded)
     finally:
         failure = _settle(loc, writes, opened, meta_write, small_write)
         if writer is not None:
@@ -466,7 +472,7 @@ def _write_local(
         raise failure
     t = time.perf_counter()
     try:
-        backend.sync(loc)
+        backend.sync(loc, written, fsynced)
     except OSError as e:
         raise TensorckptError(f"{loc}: making the written data durable failed: {e}") from e
     stats._phase("sync", t)

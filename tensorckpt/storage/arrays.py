@@ -17,7 +17,7 @@ from ..layout.boxes import Box
 from . import codec
 from .location import CONTEXT, SYNC_CONTEXT, Location
 
-SYNC_OBJECT_BYTES = 4 << 20  # stored objects from this size on are synced as they are written
+SYNC_OBJECT_BYTES = 4 << 20  # stored objects TensorStore writes from this size on are synced as they are written
 
 
 def _spec(loc: Location, key: str) -> dict:

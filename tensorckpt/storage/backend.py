@@ -28,7 +28,7 @@ module of its own, and one line in :data:`_REGISTRY`.
 from __future__ import annotations
 
 import importlib
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from typing import TYPE_CHECKING, Protocol
 
 from .location import Location
@@ -78,10 +78,13 @@ class Backend(Protocol):
     def delete_all(self, loc: Location) -> None: ...
     def prepare(self, loc: Location) -> None:
         """Before a rank writes under ``loc`` (also when it writes nothing)."""
-    def sync(self, loc: Location) -> None:
-        """Make everything this process wrote under ``loc`` durable."""
-    def chunk_writer(self, loc: Location, sync_bytes: int) -> Writer | None:
-        """The writer of whole stored chunks; None: write through TensorStore arrays."""
+    def sync(self, loc: Location, keys: Collection[str] | None = None, fsynced: Collection[str] = ()) -> None:
+        """Make the objects ``keys`` this process wrote under ``loc`` durable
+        (``fsynced``: those of them already durable, their directory entries
+        not yet); ``keys`` None: everything written under ``loc``."""
+    def chunk_writer(self, loc: Location) -> Writer | None:
+        """The writer of whole stored chunks, each durable when its write is
+        done; None: write through TensorStore arrays."""
     def chunk_reader(self, loc: Location, url: str, threads: int | None = None) -> Pool | None:
         """The reader of stored chunks under ``loc`` (messages name ``url``);
         None: read through TensorStore arrays."""

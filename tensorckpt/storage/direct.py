@@ -18,10 +18,11 @@ process: 0.18 s against 0.26 s through TensorStore; benchmarks/README.md).
 
 Writing is the mirror image: each stored object is encoded in a reused
 buffer, inner chunk by inner chunk in C order (elements, then their
-CRC-32C), written with ``os.write``, the index last; objects from
-``SYNC_OBJECT_BYTES`` on are fsynced as soon as they are written, so the
-disk works while the next one is encoded. The bytes are TensorStore's
-(tests/test_direct.py compares them).
+CRC-32C), written with ``os.write``, the index last, and fsynced right
+away on the same thread, so the disk works while other threads encode the
+next ones and the save's sync pass (``kv.sync_files``) has only their
+directories left. The bytes are TensorStore's (tests/test_direct.py
+compares them).
 
 Nothing here trusts the stored object: its size, the index CRC, every
 index entry (offset, length == the inner chunk's encoded size, inside the
@@ -75,10 +76,11 @@ def usable(entry: TensorEntry) -> bool:
 class Writer:
     """Writes whole stored objects of a local checkpoint on ``threads``
     threads, each with its own reused buffer. :meth:`write` returns a
-    future; :meth:`close` waits for every write it started."""
+    future, done once the object is written and fsynced; :meth:`close` waits
+    for every write it started."""
 
-    def __init__(self, root: str, threads: int | None = None, sync_bytes: int = 4 << 20):
-        self.root, self.sync_bytes = root, sync_bytes
+    def __init__(self, root: str, threads: int | None = None):
+        self.root = root
         self._local = threading.local()
         self._made: set[str] = set()  # directories known to exist
         self._pool = ThreadPoolExecutor(max(1, threads or WRITE_THREADS), thread_name_prefix="tensorckpt-write")
@@ -103,14 +105,11 @@ class Writer:
         if parent not in self._made:
             os.makedirs(parent, exist_ok=True)
             self._made.add(parent)
-        written = 0
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC | os.O_NOFOLLOW, 0o644)
         try:
             for piece in codec.encode(g, data, buf):
                 _write_all(fd, piece)
-                written += len(piece)
-            if written >= self.sync_bytes:
-                os.fsync(fd)
+            os.fsync(fd)
         finally:
             os.close(fd)
 

@@ -14,7 +14,7 @@ import os
 import shutil
 import stat
 import time
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 
 from . import direct, kv, pinned
 from .commit_local import AtomicRenameCommit
@@ -104,11 +104,14 @@ class LocalFileSystem:
     def prepare(self, loc: Location) -> None:
         os.makedirs(loc.path, exist_ok=True)
 
-    def sync(self, loc: Location) -> None:
-        kv.sync_tree(loc.path)
+    def sync(self, loc: Location, keys: Collection[str] | None = None, fsynced: Collection[str] = ()) -> None:
+        if keys is None:
+            kv.sync_tree(loc.path)
+        else:
+            kv.sync_files(loc.path, keys, fsynced)
 
-    def chunk_writer(self, loc: Location, sync_bytes: int) -> direct.Writer | None:
-        return direct.Writer(loc.path, sync_bytes=sync_bytes) if self.fast_chunks else None
+    def chunk_writer(self, loc: Location) -> direct.Writer | None:
+        return direct.Writer(loc.path) if self.fast_chunks else None
 
     def chunk_reader(self, loc: Location, url: str, threads: int | None = None) -> direct.Pool | None:
         return direct.Pool(loc.path, url, threads=threads) if self.fast_chunks else None

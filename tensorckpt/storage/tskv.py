@@ -7,7 +7,7 @@ subclass with its flags, and one line in ``backend._REGISTRY``.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 
 from . import kv, pinned
 from .commit_kv import RootLastCommit
@@ -62,10 +62,10 @@ class KvStore:
     def prepare(self, loc: Location) -> None:
         return None
 
-    def sync(self, loc: Location) -> None:
+    def sync(self, loc: Location, keys: Collection[str] | None = None, fsynced: Collection[str] = ()) -> None:
         return None  # every write is complete when its future is
 
-    def chunk_writer(self, loc: Location, sync_bytes: int) -> Writer | None:
+    def chunk_writer(self, loc: Location) -> Writer | None:
         return None
 
     def chunk_reader(self, loc: Location, url: str, threads: int | None = None) -> Pool | None:
