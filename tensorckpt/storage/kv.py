@@ -78,6 +78,9 @@ def copy_all(src: Location, dst: Location, skip: tuple[str, ...] = ()) -> None:
         f.result()
 
 
+SYNCFS_ABOVE = 1024  # paths to fsync beyond which one syncfs is cheaper (bench_durable.py, "many")
+
+
 def sync_files(root: str, keys: Collection[str], fsynced: Collection[str] = ()) -> None:
     """Make the objects ``keys`` under the local directory ``root`` durable,
     and nothing else: an fsync of each (but those in ``fsynced``, synced as
@@ -85,7 +88,10 @@ def sync_files(root: str, keys: Collection[str], fsynced: Collection[str] = ()) 
     one's parent up to ``root``, each once (their entries), all on several
     threads. Only what this process wrote is flushed, so the time does not
     depend on what other processes have left dirty on the same file system,
-    as one ``syncfs`` would (benchmarks/README.md, "Durability")."""
+    as one ``syncfs`` would (benchmarks/README.md, "Durability"). Past
+    ``SYNCFS_ABOVE`` paths (a save of thousands of tiny tensors) one syncfs
+    is used instead: measured cheaper there, quiet or beside a neighbour
+    dirtying the page cache (bench_durable.py's "many" rows)."""
     if not keys:
         return
     files = [os.path.join(root, k) for k in keys if k not in fsynced]
@@ -96,6 +102,9 @@ def sync_files(root: str, keys: Collection[str], fsynced: Collection[str] = ()) 
             dirs.add(d)
             d = os.path.dirname(d)
     paths = [*files, *(os.path.join(root, d) for d in dirs), root]
+    if len(paths) > SYNCFS_ABOVE:  # one syncfs costs less than thousands of fsyncs, even beside a busy neighbour
+        sync_tree(root)
+        return
     if len(paths) > 2:
         with ThreadPoolExecutor(min(SYNC_THREADS, len(paths)), thread_name_prefix="tensorckpt-sync") as pool:
             try:
