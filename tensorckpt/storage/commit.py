@@ -134,18 +134,19 @@ def describe_foreign(target: Location) -> str | None:
     return backend_for(target).commit.describe_foreign(target)
 
 
-def _nodes_and_chunks(keys: list[str]) -> bool:
+def nodes_and_chunks(keys: list[str]) -> bool:
     """Every key is a Zarr node (``.../zarr.json``) or a chunk (below a ``c/``)."""
     return all(k.split("/")[-1] == ROOT_KEY or "/c/" in f"/{k}" for k in keys)
 
 
-def _root_below(keys: list[str], read: Callable[[str], bytes | None]) -> bool:
+def root_below(keys: list[str], read: Callable[[str], bytes | None]) -> bool:
     """Whether a ``zarr.json`` below the top is a checkpoint root (a manager
     root, another run's checkpoint): then it is not one checkpoint's leftover."""
-    return any(_is_root(read(k)) for k in keys if k.endswith("/" + ROOT_KEY))
+    return any(is_root(read(k)) for k in keys if k.endswith("/" + ROOT_KEY))
 
 
-def _is_root(doc: bytes | None) -> bool:
+def is_root(doc: bytes | None) -> bool:
+    """Whether ``doc`` is a checkpoint root zarr.json (a group with attributes.tensorckpt)."""
     try:
         d = json.loads(doc or b"")
     except ValueError:
@@ -203,14 +204,14 @@ def finish(c: Commit, root_json: bytes) -> None:
         raise TensorckptError(f"{c.target}: committing the checkpoint failed: {e}{where}") from e
 
 
-def _raced(c: Commit) -> CheckpointExistsError:
+def raced(c: Commit) -> CheckpointExistsError:
     return CheckpointExistsError(
         f"{c.target}: another save committed a checkpoint here while this one ran (concurrent saves to one "
         "path are not supported, spec 10.1); this save was not committed and its data is discarded: "
         "the other save's checkpoint is intact. Save to another path, or again with overwrite=True")
 
 
-def _discard(loc: Location) -> None:
+def discard(loc: Location) -> None:
     """Delete a copy that the commit made stale. The checkpoint is committed by
     now, so a failure here does not fail the save: what stays is a stale
     leftover that ``tensorckpt clean`` removes (spec 10.5 rule 5)."""

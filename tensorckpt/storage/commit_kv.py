@@ -20,11 +20,11 @@ from .commit import (
     ROOT_KEY,
     STAGING_INFIX,
     Commit,
-    _discard,
-    _is_root,
-    _nodes_and_chunks,
-    _raced,
-    _root_below,
+    discard,
+    is_root,
+    nodes_and_chunks,
+    raced,
+    root_below,
 )
 from .location import Location
 
@@ -39,10 +39,10 @@ class RootLastCommit:
         if not keys:
             return None
         if ROOT_KEY in keys:
-            return None if _is_root(kv.read(target, ROOT_KEY)) else "objects whose zarr.json is not a tensorckpt root"
+            return None if is_root(kv.read(target, ROOT_KEY)) else "objects whose zarr.json is not a tensorckpt root"
         # an interrupted in-place save (10.3 step 1): Zarr nodes, none of them a checkpoint root
-        below = _root_below(keys, lambda k: kv.read(target, k))
-        if not below and _nodes_and_chunks(keys):
+        below = root_below(keys, lambda k: kv.read(target, k))
+        if not below and nodes_and_chunks(keys):
             return None
         return (f"{len(keys)} object(s) that are not the leftovers of a save"
                 + (" (checkpoints below it: a CheckpointManager root)" if below else ""))
@@ -60,7 +60,7 @@ class RootLastCommit:
         if not c.staged:  # a new checkpoint in place: the root only if no other save committed one
             with _commit_lock:
                 if kv.read(c.target, ROOT_KEY) is not None:
-                    raise _raced(c)
+                    raise raced(c)
                 kv.write(c.write_to, ROOT_KEY, root_json)
             return
         kv.write(c.write_to, ROOT_KEY, root_json)
@@ -69,7 +69,7 @@ class RootLastCommit:
         kv.delete_all(c.target)
         kv.copy_all(c.write_to, c.target, skip=(ROOT_KEY,))
         kv.write(c.target, ROOT_KEY, root_json)
-        _discard(c.write_to)
+        discard(c.write_to)
 
     def only_copy(self, c: Commit) -> bool:
         """Whether a replace got past deleting the old checkpoint: the target

@@ -34,12 +34,12 @@ from .commit import (
     STAGING_INFIX,
     TOKEN_HEX,
     Commit,
-    _discard,
-    _is_root,
-    _nodes_and_chunks,
-    _raced,
-    _root_below,
+    discard,
+    is_root,
+    nodes_and_chunks,
+    raced,
     renameat2,
+    root_below,
 )
 from .location import Location
 
@@ -73,7 +73,7 @@ class AtomicRenameCommit:
             return "a directory whose zarr.json is not a regular file"
         with open(root, "rb") as f:
             doc = f.read(1 << 24)
-        return None if _is_root(doc) else "a directory whose zarr.json is not a tensorckpt root (another Zarr store?)"
+        return None if is_root(doc) else "a directory whose zarr.json is not a tensorckpt root (another Zarr store?)"
 
     def check_name(self, target: Location) -> None:
         if len(os.fsencode(target.name)) > MAX_TARGET_NAME_BYTES:
@@ -106,7 +106,7 @@ class AtomicRenameCommit:
             return
         if c.identity is not None and (st.st_dev, st.st_ino) != c.identity:
             return
-        _discard(c.write_to)
+        discard(c.write_to)
 
     def remove(self, loc: Location, complete: bool = True, rename_first: bool = False) -> str | None:
         return _remove(loc, complete, rename_first)
@@ -122,7 +122,7 @@ class AtomicRenameCommit:
 
 def _local_leftover(path: str, limit: int = 1_000_000) -> bool:
     """Whether the directory ``path`` holds only what a save writes below a
-    checkpoint's root (:func:`_nodes_and_chunks`, no checkpoint root below),
+    checkpoint's root (:func:`nodes_and_chunks`, no checkpoint root below),
     and no links or special files: a checkpoint whose root was deleted
     first, then interrupted (10.5 rule 6)."""
     keys: list[str] = []
@@ -140,7 +140,7 @@ def _local_leftover(path: str, limit: int = 1_000_000) -> bool:
         with open(os.path.join(path, key), "rb") as f:
             return f.read(1 << 24)
 
-    return _nodes_and_chunks(keys) and not _root_below(keys, read)
+    return nodes_and_chunks(keys) and not root_below(keys, read)
 
 
 def _vanished(c: Commit, how: str) -> TensorckptError:
@@ -205,14 +205,14 @@ def _finish_local(c: Commit, root_json: bytes) -> None:
         err = renameat2(staging, target, RENAME_NOREPLACE)
         if err in (errno.EINVAL, errno.ENOSYS):  # no RENAME_NOREPLACE here: rename refuses a non-empty target
             if os.path.lexists(target):
-                raise _raced(c)
+                raise raced(c)
             err = 0
             try:
                 os.rename(staging, target)
             except OSError as e:
                 err = e.errno or errno.EIO
         if err in (errno.EEXIST, errno.ENOTEMPTY):
-            raise _raced(c)
+            raise raced(c)
         if err == errno.ENOENT:
             raise _vanished(c, "disappeared")
         if err:
@@ -226,7 +226,7 @@ def _finish_local(c: Commit, root_json: bytes) -> None:
         elif err == errno.ENOENT:  # the old checkpoint was deleted meanwhile: commit as new
             err = renameat2(staging, target, RENAME_NOREPLACE)
             if err in (errno.EEXIST, errno.ENOTEMPTY):
-                raise _raced(c)
+                raise raced(c)
             if err not in (0, errno.EINVAL, errno.ENOSYS):
                 raise OSError(err, os.strerror(err), staging)
             if err:
@@ -239,7 +239,7 @@ def _finish_local(c: Commit, root_json: bytes) -> None:
             raise OSError(err, os.strerror(err), target)
     kv.fsync_dir(parent)
     if old is not None:
-        _discard(old)
+        discard(old)
 
 
 def _remove(loc: Location, complete: bool = True, rename_first: bool = False) -> str | None:
