@@ -287,14 +287,16 @@ def worker_save(rank: int, world: int, args, scratch: str) -> dict:
     flat_local = [t.to_local() for k, t in leaves(state) if k != "step"]
     pre = [torch.empty_like(t) for t in flat_local]
     raw_buf = torch.empty(nbytes // 4)
-    stalls = {"dcp": [], "dcp best": [], "tensorckpt": []}
+    stalls: dict[str, list] = {"dcp": [], "dcp best": [], "tensorckpt": []}
     amplification = []
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        threads = tune_dcp_threads(ph, state, os.path.join(scratch, "tune"), args.dcp_threads)
+    threads = 0
+    if args.dcp_best:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            threads = tune_dcp_threads(ph, state, os.path.join(scratch, "tune"), args.dcp_threads)
+        if rank == 0:
+            shutil.rmtree(os.path.join(scratch, "tune"), ignore_errors=True)
     ph.extra["dcp_best_threads"] = threads
-    if rank == 0:
-        shutil.rmtree(os.path.join(scratch, "tune"), ignore_errors=True)
     for rep in range(args.reps):
         base = os.path.join(scratch, f"r{rep}")
         raw = os.path.join(scratch, f"raw{rank}")
@@ -321,17 +323,20 @@ def worker_save(rank: int, world: int, args, scratch: str) -> dict:
                              lambda i, timings: ph.run(f"dcp async durable #{i + 1}",
                                                        lambda: dcp_async(state, f"{base}/dcp_a{i}", timings)),
                              stalls["dcp"])
-            saves_then_async(rep, lambda: ph.run("dcp best save", lambda: dcp_best_save(state, f"{base}/dcpb", threads)),
-                             lambda i, timings: ph.run(f"dcp best async durable #{i + 1}",
-                                                       lambda: dcp_best_async(state, f"{base}/dcpb_a{i}", timings,
-                                                                              threads)),
-                             stalls["dcp best"])
+            if args.dcp_best:
+                saves_then_async(rep, lambda: ph.run("dcp best save",
+                                                     lambda: dcp_best_save(state, f"{base}/dcpb", threads)),
+                                 lambda i, timings: ph.run(f"dcp best async durable #{i + 1}",
+                                                           lambda: dcp_best_async(state, f"{base}/dcpb_a{i}", timings,
+                                                                                  threads)),
+                                 stalls["dcp best"])
             zero(target)
             ph.run("dcp load", lambda: dcp.load(target, checkpoint_id=f"{base}/dcp"), cold=True)
             check(target, keys, "dcp load")
-            zero(target)
-            ph.run("dcp best load", lambda: dcp.load(target, checkpoint_id=f"{base}/dcpb"), cold=True)
-            check(target, keys, "dcp best load")
+            if args.dcp_best:
+                zero(target)
+                ph.run("dcp best load", lambda: dcp.load(target, checkpoint_id=f"{base}/dcpb"), cold=True)
+                check(target, keys, "dcp best load")
 
         saves_then_async(rep, lambda: ph.run("tensorckpt save", lambda: tensorckpt.save(state, f"{base}/tc")),
                          lambda i, timings: ph.run(f"tensorckpt async durable #{i + 1}",
@@ -370,11 +375,12 @@ def worker_load(rank: int, world: int, args, scratch: str) -> dict:
             warnings.simplefilter("ignore")
             ph.run("dcp load reshard", lambda: dcp.load(target, checkpoint_id=f"{base}/dcp"), cold=True)
         check(target, keys, "dcp load reshard")
-        zero(target)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            ph.run("dcp best load reshard", lambda: dcp.load(target, checkpoint_id=f"{base}/dcpb"), cold=True)
-        check(target, keys, "dcp best load reshard")
+        if args.dcp_best:
+            zero(target)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                ph.run("dcp best load reshard", lambda: dcp.load(target, checkpoint_id=f"{base}/dcpb"), cold=True)
+            check(target, keys, "dcp best load reshard")
         zero(target)
         stats = tensorckpt.LoadStats()
         ph.run("tensorckpt load reshard", lambda: tensorckpt.load(target, f"{base}/tc", stats=stats), cold=True)
@@ -425,6 +431,8 @@ def main() -> None:
     ap.add_argument("--json", default=None, help="also write the results JSON here")
     ap.add_argument("--dcp-threads", type=lambda v: [int(x) for x in v.split(",")], default=[1, 2, 4],
                     help="FileSystemWriter thread counts tried for DCP's best row (the fastest is used)")
+    ap.add_argument("--no-dcp-best", dest="dcp_best", action="store_false",
+                    help="skip DCP's best-settings rows (quicker; the test suite's default case)")
     args = ap.parse_args()
 
     keys = logical_keys(int(args.size_gib * 2**30))
@@ -442,18 +450,20 @@ def main() -> None:
 
     times = {**saved[0]["times"], **loaded[0]["times"]}
     med = {k: statistics.median(v) for k, v in times.items()}
+    modes = ("dcp", "dcp best", "tensorckpt") if args.dcp_best else ("dcp", "tensorckpt")
     stall = {m: {i: statistics.median(max(r["stalls"][m][j][1] for r in saved) for j in range(len(saved[0]["stalls"][m]))
                                       if saved[0]["stalls"][m][j][0] == i) for i in (0, 1)}
-             for m in ("dcp", "dcp best", "tensorckpt")}
+             for m in modes}
     drop = saved[0]["extra"].get("drop_caches_error")
-    print(f"dcp best: FileSystemWriter(thread_count={saved[0]['extra']['dcp_best_threads']}) (fastest of "
-          f"{args.dcp_threads}), cached plans; async: process executor, DefaultStager (shared memory)")
+    if args.dcp_best:
+        print(f"dcp best: FileSystemWriter(thread_count={saved[0]['extra']['dcp_best_threads']}) (fastest of "
+              f"{args.dcp_threads}), cached plans; async: process executor, DefaultStager (shared memory)")
     print(f"\nloads: {'cold (page cache dropped)' if drop is None else 'WARM: ' + str(drop)}; "
           f"times are the slowest rank's, medians of {args.reps}\n")
     print(f"{'phase':<34}{'median s':>9}{'GB/s':>8}   each rep")
     for k, v in times.items():
         print(f"{k:<34}{med[k]:>9.3f}{nbytes / 1e9 / med[k]:>8.2f}   " + " ".join(f"{x:.3f}" for x in v))
-    for m in ("dcp", "dcp best", "tensorckpt"):
+    for m in modes:
         print(f"{m + ' async stall #1 (first)':<34}{stall[m][0]:>9.3f}")
         print(f"{m + ' async stall #2 (steady)':<34}{stall[m][1]:>9.3f}")
     amp_same = statistics.median(max(r["amplification"][i] for r in saved) for i in range(args.reps))
@@ -462,21 +472,24 @@ def main() -> None:
 
     ratios = {
         "save: tensorckpt / dcp (throughput)": med["dcp save"] / med["tensorckpt save"],
-        "save: tensorckpt / dcp best (throughput)": med["dcp best save"] / med["tensorckpt save"],
         "save: tensorckpt / raw write limit": med["raw save"] / med["tensorckpt save"],
         "load: tensorckpt / dcp (throughput)": med["dcp load"] / med["tensorckpt load"],
-        "load: tensorckpt / dcp best (throughput)": med["dcp best load"] / med["tensorckpt load"],
         "reshard load: tensorckpt / dcp (throughput)": med["dcp load reshard"] / med["tensorckpt load reshard"],
-        "reshard load: tensorckpt / dcp best (throughput)":
-            med["dcp best load reshard"] / med["tensorckpt load reshard"],
         "reshard load: tensorckpt / raw cold read": med["raw load"] / med["tensorckpt load reshard"],
         "load: tensorckpt / raw cold read": med["raw load"] / med["tensorckpt load"],
         "steady stall: tensorckpt / dcp": stall["tensorckpt"][1] / stall["dcp"][1],
-        "steady stall: tensorckpt / dcp best": stall["tensorckpt"][1] / stall["dcp best"][1],
         "steady stall: tensorckpt / copy floor": stall["tensorckpt"][1] / med["copy (stall floor)"],
         "first stall: tensorckpt / dcp": stall["tensorckpt"][0] / stall["dcp"][0],
         "async durable: tensorckpt / its sync save (time)": med["tensorckpt async durable #2"] / med["tensorckpt save"],
     }
+    if args.dcp_best:
+        ratios |= {
+            "save: tensorckpt / dcp best (throughput)": med["dcp best save"] / med["tensorckpt save"],
+            "load: tensorckpt / dcp best (throughput)": med["dcp best load"] / med["tensorckpt load"],
+            "reshard load: tensorckpt / dcp best (throughput)":
+                med["dcp best load reshard"] / med["tensorckpt load reshard"],
+            "steady stall: tensorckpt / dcp best": stall["tensorckpt"][1] / stall["dcp best"][1],
+        }
     print()
     for k, v in ratios.items():
         print(f"{k:<50} x{v:.2f}")

@@ -15,7 +15,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CASES = {
     "bench_single": ["--size-gib", "0.01", "--reps", "1", "--d-model", "64"],
     "bench_small": ["--tensors", "50", "--numel", "64", "--reps", "1", "--load-mib", "8"],
-    "bench_dist": ["--size-gib", "0.03", "--reps", "1", "--dcp-threads", "2"],
+    "bench_dist": ["--size-gib", "0.03", "--reps", "1", "--no-dcp-best"],
     "bench_background": ["--size-gib", "0.01", "--reps", "1", "--baseline-s", "0.3", "--savers", "tensorckpt,dcp thread"],
     "bench_plan_scale": ["--ranks", "64", "128", "--layers", "2"],
     "bench_load_path": ["--size-gib", "0.02", "--reps", "1", "--procs", "2", "--rows"],
@@ -35,6 +35,17 @@ def test_benchmark_runs(name, tmp_path):
 
 
 SCRIPT = os.path.join(ROOT, "benchmarks", "throttled_disk.sh")
+
+
+@pytest.mark.skipif(os.environ.get("TENSORCKPT_FULL") != "1", reason="TENSORCKPT_FULL=1 (DCP's process executor: ~25 s)")
+def test_bench_dist_with_dcp_best_settings(tmp_path):
+    """bench_dist's DCP-at-its-best rows (tuned FileSystemWriter, cached
+    plans, process executor + DefaultStager) run and check their loads."""
+    args = [sys.executable, os.path.join(ROOT, "benchmarks", "bench_dist.py"), "--size-gib", "0.03", "--reps", "1",
+            "--dcp-threads", "1,2", "--dir", str(tmp_path)]
+    r = subprocess.run(args, capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    assert "FAIL" not in r.stdout and "tensorckpt / dcp best" in r.stdout, r.stdout[-2000:]
 
 
 def test_throttled_disk_usage():
