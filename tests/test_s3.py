@@ -131,7 +131,7 @@ def test_save_load_bit_exact(s3, moto):
     assert tensorckpt.verify(url).ok
 
 
-def test_backend_reads_byte_ranges(s3):
+def test_backend_reads_byte_ranges(s3, monkeypatch):
     loc = location.parse(s3())
     b = backend_for(loc)
     assert (b.supports_rename, b.records_times, b.shared, b.fast_chunks) == (False, False, True, False)
@@ -139,6 +139,11 @@ def test_backend_reads_byte_ranges(s3):
     assert b.read_range(loc, "a/x", 3, 4) == b"3456" and b.read_range(loc, "a/x", 8, 10) == b"89"
     assert b.read_range(loc, "a/x", 12, 3) == b"" and b.read_range(loc, "nope", 0, 3) is None
     assert b.list(loc) == ["a/x"] and b.names(loc) == {"a"} and sorted(b.sizes(loc, "a")) == [("x", 10)]
+    b.write(loc, "a/empty", b"")
+    b.write(loc, "a/big", bytes(3 << 20))
+    with monkeypatch.context() as m:
+        m.setattr(kv, "read", None)  # sizes are asked of the server, the objects are not fetched
+        assert sorted(b.sizes(loc, "a")) == [("big", 3 << 20), ("empty", 0), ("x", 10)]
     b.delete_all(loc)
     assert not b.exists(loc)
 

@@ -44,8 +44,12 @@ def result(loc: Location, future: ts.Future, doing: str) -> Any:
             "(AWS_ENDPOINT_URL_S3 / AWS_ENDPOINT_URL) is reachable, or raise TENSORCKPT_S3_TIMEOUT") from None
 
 
-def _open(loc: Location, sub: str = "") -> ts.KvStore:
+def open_store(loc: Location, sub: str = "") -> ts.KvStore:
+    """The TensorStore kvstore of ``loc`` (or of ``sub`` inside it)."""
     return result(loc, ts.KvStore.open(loc.kvstore(sub), context=CONTEXT), "opening the store")
+
+
+_open = open_store
 
 
 def read(loc: Location, key: str) -> bytes | None:
