@@ -379,3 +379,17 @@ def test_distributed_save_2_load_3(s3):
     assert dist.run(3, _dist_load, url, timeout=120) == [True, True, True]
     out = tensorckpt.open(url)
     assert torch.equal(out.read("w"), _full()["w"]) and torch.equal(out.read("h"), _full()["h"])
+
+
+def test_cli(s3, capsys):
+    from tensorckpt.cli import main
+
+    root = s3("run")
+    mgr = tensorckpt.CheckpointManager(root, reader_grace=0)
+    mgr.save(7, _state())
+    url = mgr.step_path(7)
+    assert main(["inspect", url]) == 0 and "h" in capsys.readouterr().out
+    assert main(["verify", url]) == 0
+    assert main(["list", root]) == 0 and "7" in capsys.readouterr().out
+    assert main(["clean", url, "--older-than", "0"]) == 0
+    # `validate` (conformance/validate.py, the independent checker) reads local directories only
