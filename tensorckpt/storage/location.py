@@ -43,8 +43,9 @@ SYNC_CONTEXT = ts.Context({"file_io_sync": True}, parent=CONTEXT)
 
 SCHEMES = ("file", "memory", "s3")
 S3_DEFAULT_REGION = "us-east-1"
-# S3 retries transient failures (503 SlowDown, dropped connections) this often, with backoff
-S3_RETRIES = {"max_retries": 8, "initial_delay": "0.5s", "max_delay": "8s"}
+# S3 retries transient failures (503 SlowDown, dropped connections, refused connections) this often,
+# with backoff (0.2, 0.4, ... s): a persistent failure ends in an error after ~6 s, not minutes
+S3_RETRIES = {"max_retries": 5, "initial_delay": "0.2s", "max_delay": "4s"}
 _BUCKET_CHARS = frozenset("abcdefghijklmnopqrstuvwxyz0123456789.-")
 
 
