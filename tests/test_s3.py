@@ -191,6 +191,22 @@ def test_clean_removes_an_interrupted_save(s3):
     assert _equal(tensorckpt.load(_empty(), url), _state())
 
 
+def test_an_in_place_save_interrupted_before_its_commit(s3, moto):
+    url = s3()
+    tensorckpt.save(_state(), url)
+    target = location.parse(url)
+    assert kv.create(target, commit.MARKER_NAME, b"")  # its claim, still there
+    kv.delete(target, commit.ROOT_KEY)  # ... and no root: a new save that died before its commit
+    with pytest.raises(tensorckpt.IncompleteCheckpointError, match="never committed"):
+        tensorckpt.open(url)
+    with pytest.raises(CheckpointExistsError, match="leftovers"):
+        tensorckpt.save(_state(2.0), url)
+    (x,) = tensorckpt.clean(url, older_than=0).leftovers
+    assert x.path == url and x.removed and _keys(moto, url) == []
+    tensorckpt.save(_state(2.0), url)
+    assert _equal(tensorckpt.load(_empty(), url), _state(2.0))
+
+
 # ---------------------------------------------------------------- concurrent saves
 
 
