@@ -133,7 +133,7 @@ def load(
         return RootMessage(raw, held["pin"].dir_id)
 
     raw, version = g.collective(None, root, what=what)
-    ckpt = StoredArrays(loc, parse_root_bytes(loc, raw), held.get("pin"))  # the same bytes everywhere
+    ckpt = StoredArrays(loc, parse_root_bytes(loc, raw), held.get("pin"), raw)  # the same bytes everywhere
     try:
         return _load(state, ckpt, g, version, strict, partial, cast, stats, t0)
     finally:

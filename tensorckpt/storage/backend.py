@@ -56,6 +56,9 @@ class Backend(Protocol):
     @property
     def commit(self) -> CommitStrategy:
         """How a save becomes valid in one step."""
+    @property
+    def timeout(self) -> float | None:
+        """Seconds one storage operation may take before it fails; None: unbounded."""
 
     def read(self, loc: Location, key: str, limit: int, where: str) -> tuple[object, bytes | None]:
         """(storage generation or None, bytes or None if absent) of a small
@@ -94,6 +97,7 @@ class Backend(Protocol):
 _REGISTRY: dict[str, tuple[str, str]] = {
     "file": ("local", "LocalFileSystem"),
     "memory": ("tskv", "MemoryStore"),
+    "s3": ("tskv", "S3Store"),
 }
 _BACKENDS: dict[str, Backend] = {}
 

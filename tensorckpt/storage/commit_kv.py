@@ -9,14 +9,23 @@ staging prefix, and ``identify`` / ``clean`` name it.
 Like Orbax's ``CommitFileTemporaryPath``; the file-system strategy is
 :mod:`.commit_local`, the rules both share :mod:`.commit`. Used by the
 TensorStore kvstore backends (:mod:`.tskv`).
+
+With ``claim`` (S3: other processes write the same bucket), a save to a new
+location first creates a claim object ``__tensorckpt-staging`` there
+conditionally (``If-None-Match: *``): a second save to it is refused before
+it writes anything, so the first one's objects are never overwritten; the
+claim is deleted once the root is committed. The root itself is always a
+conditional create.
 """
 
 from __future__ import annotations
 
 import threading
 
+from ..errors import CheckpointExistsError
 from . import kv
 from .commit import (
+    MARKER_NAME,
     ROOT_KEY,
     STAGING_INFIX,
     Commit,
@@ -32,10 +41,14 @@ _commit_lock = threading.Lock()  # memory:// stores are per process: their condi
 
 
 class RootLastCommit:
-    """Spec 10.3: every object first, the root ``zarr.json`` last."""
+    """Spec 10.3: every object first, the root ``zarr.json`` last; ``claim``:
+    a new location is claimed first (module docstring)."""
+
+    def __init__(self, claim: bool = False) -> None:
+        self.claim = claim
 
     def describe_foreign(self, target: Location) -> str | None:
-        keys = kv.list_keys(target)
+        keys = [k for k in kv.list_keys(target) if k != MARKER_NAME]
         if not keys:
             return None
         if ROOT_KEY in keys:
@@ -54,14 +67,19 @@ class RootLastCommit:
         return None
 
     def begin(self, target: Location, staging: Location, exists: bool) -> Commit:
+        if self.claim and not exists and not kv.create(target, MARKER_NAME, b""):
+            raise CheckpointExistsError(
+                f"{target}: another save is writing a checkpoint here (concurrent saves to one path are not "
+                "supported, spec 10.1); this save wrote nothing. Save to another path, or again with overwrite=True")
         return Commit(target, staging if exists else target, replacing=exists)
 
     def finish(self, c: Commit, root_json: bytes) -> None:
         if not c.staged:  # a new checkpoint in place: the root only if no other save committed one
             with _commit_lock:
-                if kv.read(c.target, ROOT_KEY) is not None:
+                if not kv.create(c.write_to, ROOT_KEY, root_json):
                     raise raced(c)
-                kv.write(c.write_to, ROOT_KEY, root_json)
+            if self.claim:
+                kv.delete(c.target, MARKER_NAME)
             return
         kv.write(c.write_to, ROOT_KEY, root_json)
         # replace: the new checkpoint is complete at the staging prefix

@@ -13,9 +13,11 @@ import errno
 import os
 from collections.abc import Callable, Collection
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 import tensorstore as ts
 
+from ..errors import TensorckptError
 from .backend import backend_for
 from .location import CONTEXT, Location
 
@@ -23,22 +25,70 @@ _libc = ctypes.CDLL(None, use_errno=True)
 SYNC_THREADS = 8  # fsyncs at once: the file system batches their journal commits
 
 
-def _open(loc: Location, sub: str = "") -> ts.KvStore:
-    return ts.KvStore.open(loc.kvstore(sub), context=CONTEXT).result()
+NO_VALUE = b"\x02"  # TensorStore's storage generation of an absent object: ``if_equal`` it is a conditional create
+
+
+def result(loc: Location, future: ts.Future, doing: str) -> Any:
+    """``future.result()``, bounded by the backend's timeout: past it, a
+    :class:`TensorckptError` naming the location and the operation (an
+    endpoint that accepts connections and never answers must not hang us)."""
+    timeout = backend_for(loc).timeout
+    if timeout is None:
+        return future.result()
+    try:
+        return future.result(timeout=timeout)
+    except TimeoutError:
+        future.cancel()
+        raise TensorckptError(
+            f"{loc}: {doing} got no answer within {timeout:g} s; check that the endpoint "
+            "(AWS_ENDPOINT_URL_S3 / AWS_ENDPOINT_URL) is reachable, or raise TENSORCKPT_S3_TIMEOUT") from None
+
+
+def open_store(loc: Location, sub: str = "") -> ts.KvStore:
+    """The TensorStore kvstore of ``loc`` (or of ``sub`` inside it)."""
+    return result(loc, ts.KvStore.open(loc.kvstore(sub), context=CONTEXT), "opening the store")
+
+
+_open = open_store
 
 
 def read(loc: Location, key: str) -> bytes | None:
     """The object's bytes, or None if it does not exist."""
-    r = _open(loc).read(key).result()
+    r = result(loc, _open(loc).read(key), f"reading {key}")
+    return r.value if r.state == "value" else None
+
+
+def read_range(loc: Location, key: str, start: int, length: int) -> bytes | None:
+    """``length`` bytes of ``key`` from ``start`` (fewer at its end) by a
+    byte-range request; None if absent."""
+    store = _open(loc)
+    try:
+        r = result(loc, store.read(key, byte_range=slice(start, start + length)), f"reading {key}")
+    except ValueError as e:
+        if "OUT_OF_RANGE" not in str(e):
+            raise
+        try:  # past its end: what is left from start (shorter than length)
+            r = result(loc, store.read(key, byte_range=slice(start, None)), f"reading {key}")
+        except ValueError as e2:
+            if "OUT_OF_RANGE" not in str(e2):
+                raise
+            return b""
     return r.value if r.state == "value" else None
 
 
 def write(loc: Location, key: str, data: bytes) -> None:
-    _open(loc).write(key, data).result()
+    result(loc, _open(loc).write(key, data), f"writing {key}")
+
+
+def create(loc: Location, key: str, data: bytes) -> bool:
+    """Write ``key`` only if it does not exist (S3: ``If-None-Match: *``);
+    False: it existed, nothing was written."""
+    stamp = result(loc, _open(loc).write(key, data, if_equal=NO_VALUE), f"creating {key}")
+    return bool(stamp.generation)
 
 
 def delete(loc: Location, key: str) -> None:
-    _open(loc).delete_range(ts.KvStore.KeyRange(key, key + "\0")).result()
+    result(loc, _open(loc).delete_range(ts.KvStore.KeyRange(key, key + "\0")), f"deleting {key}")
 
 
 def list_keys(loc: Location, limit: int | None = None) -> list[str]:
@@ -48,7 +98,7 @@ def list_keys(loc: Location, limit: int | None = None) -> list[str]:
 
 def ts_list(loc: Location, limit: int | None = None) -> list[str]:
     """:func:`list_keys` through TensorStore (the location must exist)."""
-    keys = [k.decode("utf-8", "replace") for k in _open(loc).list().result()]
+    keys = [k.decode("utf-8", "replace") for k in result(loc, _open(loc).list(), "listing")]
     keys.sort()
     return keys[:limit] if limit is not None else keys
 
@@ -64,7 +114,7 @@ def delete_all(loc: Location) -> None:
 
 def ts_delete_all(loc: Location) -> None:
     """Delete every key under ``loc`` through TensorStore."""
-    _open(loc).delete_range(ts.KvStore.KeyRange()).result()
+    result(loc, _open(loc).delete_range(ts.KvStore.KeyRange()), "deleting")
 
 
 def copy_all(src: Location, dst: Location, skip: tuple[str, ...] = ()) -> None:
@@ -73,9 +123,9 @@ def copy_all(src: Location, dst: Location, skip: tuple[str, ...] = ()) -> None:
     futures = []
     for key in list_keys(src):
         if key not in skip:
-            futures.append(d.write(key, s.read(key).result().value))
+            futures.append(d.write(key, result(src, s.read(key), f"reading {key}").value))
     for f in futures:
-        f.result()
+        result(dst, f, "copying")
 
 
 SYNCFS_ABOVE = 1024  # paths to fsync beyond which one syncfs is cheaper (bench_durable.py, "many")
@@ -160,6 +210,6 @@ def write_many_async(loc: Location, objects: dict[str, bytes]) -> Callable[[], N
 
     def wait() -> None:
         for f in futures:
-            f.result()
+            result(loc, f, "writing")
 
     return wait

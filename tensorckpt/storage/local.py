@@ -25,6 +25,7 @@ class LocalFileSystem:
     """A POSIX file system: directories, atomic renames, modification times."""
 
     supports_rename = True
+    timeout = None
     records_times = True
     shared = True
     commit = AtomicRenameCommit()

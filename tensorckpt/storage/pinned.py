@@ -28,7 +28,7 @@ import stat
 import tensorstore as ts
 
 from ..errors import CorruptCheckpointError
-from . import location
+from . import kv, location
 from .backend import backend_for
 from .location import Location
 
@@ -167,8 +167,8 @@ def read_local(top: int | str, key: str, limit: int, where: str) -> bytes | None
 
 
 def read_remote(loc: Location, key: str, limit: int, where: str) -> tuple[object, bytes | None]:
-    store = ts.KvStore.open(loc.kvstore(), context=location.CONTEXT).result()
-    r = store.read(key).result()  # memory:// holds it in memory already; the cap still refuses it
+    store = kv.result(loc, ts.KvStore.open(loc.kvstore(), context=location.CONTEXT), "opening the store")
+    r = kv.result(loc, store.read(key), f"reading {key}")  # memory:// holds it in memory already; the cap still refuses it
     if r.state != "value":
         return None, None
     _check_size(len(r.value), limit, where)

@@ -61,14 +61,18 @@ class StoredArrays:
     :meth:`same_version`). Close it (or leave its ``with`` block) to release
     the pin."""
 
-    def __init__(self, loc: location.Location, root: RootMetadata, pin: pinned.Pin | None = None) -> None:
+    def __init__(self, loc: location.Location, root: RootMetadata, pin: pinned.Pin | None = None,
+                 raw: bytes | None = None) -> None:
         self.location = loc
         self._pin_error: str | None = None
-        if pin is None:  # a distributed load: rank 0 read the root; see same_version
+        if pin is None:  # a distributed load: rank 0 read the root (its bytes: raw); see same_version
             try:
                 pin = pinned.Pin(loc)
             except OSError as e:
                 self._pin_error = f"cannot be opened any more ({e.strerror or e})"
+            else:
+                if not pin.local and raw is not None:
+                    self._pin_error = _hold_root(pin, raw)
         self._pin = pin
         self._backend = backend_for(loc)
         self._fs = self._backend.supports_rename  # a file system: directories, links, special files
@@ -322,6 +326,20 @@ def _start_read(loc: location.Location, store: ts.KvStore | None, key: str) -> C
         return r.value
 
     return result
+
+
+def _hold_root(pin: pinned.Pin, raw: bytes) -> str | None:
+    """An object store: make ``pin`` hold the version whose root ``zarr.json``
+    rank 0 read (``raw``), so that :meth:`StoredArrays.changed` compares the
+    root with it; or say why this rank sees another version."""
+    try:
+        generation, data = pin.read(commit.ROOT_KEY, len(raw), f"{pin.loc}/{commit.ROOT_KEY}")
+    except (OSError, ValueError, CorruptCheckpointError) as e:
+        return f"its root zarr.json cannot be read ({e})"
+    if data != raw:
+        return "its root zarr.json is not the one rank 0 read"
+    pin.remember_root(generation, data)
+    return None
 
 
 def _object_sizes(loc: location.Location, prefix: str) -> Iterator[tuple[str, int | None]]:

@@ -1,14 +1,28 @@
 """TensorStore kvstore backends (see :mod:`.backend`): object stores with no
 rename and no modification times, committed root-last (:mod:`.commit_kv`);
 chunks are read and written through TensorStore arrays
-(:mod:`.arrays`). ``memory://`` today; an S3 or fsspec store is one more
-subclass with its flags, and one line in ``backend._REGISTRY``.
+(:mod:`.arrays`). ``memory://`` and ``s3://`` (TensorStore's ``s3`` driver,
+configured from the AWS environment variables: :mod:`.location`); another
+store is one more subclass with its flags, and one line in
+``backend._REGISTRY``.
+
+On S3 every operation is bounded: TensorStore's S3 client has no timeout of
+its own (an endpoint that accepts connections and never answers hangs it),
+so each kvstore operation waits at most ``TENSORCKPT_S3_TIMEOUT`` seconds
+(default 60) before a ``TensorckptError`` naming the URL and the operation,
+and each HTTP request of the arrays' reads and writes is ended by libcurl
+when it moves no byte for that long (``TENSORSTORE_CURL_LOW_SPEED_*``, set
+from it unless already set; TensorStore reads them once per process) and
+retried within ``location.S3_RETRIES``.
 """
 
 from __future__ import annotations
 
+import os
+import re
 from collections.abc import Collection, Iterator
 
+from ..errors import InvalidPathError, TensorckptError
 from . import kv, pinned
 from .commit_kv import RootLastCommit
 from .direct import Pool, Writer
@@ -23,6 +37,10 @@ class KvStore:
     fast_chunks = False
     shared = True
     commit = RootLastCommit()
+
+    @property
+    def timeout(self) -> float | None:
+        return None
 
     def read(self, loc: Location, key: str, limit: int, where: str) -> tuple[object, bytes | None]:
         return pinned.read_remote(loc, key, limit, where)
@@ -76,3 +94,89 @@ class MemoryStore(KvStore):
     """``memory://``: TensorStore's in-process store, seen by this process only."""
 
     shared = False
+
+
+S3_TIMEOUT_DEFAULT = 60.0  # seconds: TENSORCKPT_S3_TIMEOUT when unset
+PROBE_AT = 1 << 40  # a byte offset past any stored object: S3 answers 416 with the object's size
+_ACTUAL_SIZE = re.compile(r"<ActualObjectSize>(\d+)</ActualObjectSize>")
+
+
+class S3Store(KvStore):
+    """``s3://bucket/prefix``: TensorStore's ``s3`` kvstore. The root
+    ``zarr.json`` of a new checkpoint is written with a conditional create,
+    after a claim object made the same way, so of two saves to one new
+    location exactly one writes and commits (:mod:`.commit_kv`)."""
+
+    commit = RootLastCommit(claim=True)
+
+    def __init__(self) -> None:
+        seconds = str(max(1, round(self.timeout)))
+        os.environ.setdefault("TENSORSTORE_CURL_LOW_SPEED_TIME_SECONDS", seconds)
+        os.environ.setdefault("TENSORSTORE_CURL_LOW_SPEED_LIMIT_BYTES", "1")
+
+    @property
+    def timeout(self) -> float:
+        raw = os.environ.get("TENSORCKPT_S3_TIMEOUT", "")
+        try:
+            t = float(raw) if raw else S3_TIMEOUT_DEFAULT
+        except ValueError:
+            t = -1.0
+        if not t > 0:
+            raise InvalidPathError(f"TENSORCKPT_S3_TIMEOUT={raw!r}: must be a positive number of seconds")
+        return t
+
+    def read(self, loc: Location, key: str, limit: int, where: str) -> tuple[object, bytes | None]:
+        try:
+            return super().read(loc, key, limit, where)
+        except ValueError as e:
+            raise s3_error(loc, e, f"reading {key}") from e
+
+    def read_range(self, loc: Location, key: str, start: int, length: int) -> bytes | None:
+        return kv.read_range(loc, key, start, length)
+
+    def list(self, loc: Location, limit: int | None = None) -> list[str]:
+        try:
+            return super().list(loc, limit)
+        except ValueError as e:  # the first request of a save, a load or clean: say what to fix
+            raise s3_error(loc, e, "listing") from e
+
+    def sizes(self, loc: Location, prefix: str) -> Iterator[tuple[str, int | None]]:
+        """Sizes without fetching the objects: S3 lists no sizes through
+        TensorStore, but refuses a range past an object's end naming its
+        ``ActualObjectSize``; one small request per object, all at once.
+        Where the answer names none (another server), the object is read."""
+        sub = Location(loc.scheme, f"{loc.path}/{prefix}")
+        names = self.list(sub)
+        if not names:
+            return
+        store = kv.open_store(sub)
+        probes = [(n, store.read(n, byte_range=slice(PROBE_AT, PROBE_AT + 1))) for n in names]
+        for name, future in probes:
+            try:
+                kv.result(sub, future, f"reading the size of {name}")
+                size = None  # an object of PROBE_AT bytes or more: read below
+            except ValueError as e:
+                if "NOT_FOUND" in str(e) and "NoSuchKey" in str(e):
+                    continue  # deleted since the listing
+                m = _ACTUAL_SIZE.search(str(e))
+                size = int(m.group(1)) if m else None
+            if size is None:
+                data = kv.read(sub, name)
+                if data is None:
+                    continue
+                size = len(data)
+            yield name, size
+
+
+def s3_error(loc: Location, e: ValueError, doing: str) -> TensorckptError:
+    """A storage error of TensorStore's S3 driver as what went wrong where and what to set."""
+    msg = str(e)
+    spec = loc.kvstore()
+    at = spec.get("endpoint", "AWS (no AWS_ENDPOINT_URL_S3 / AWS_ENDPOINT_URL set)")
+    if "NoSuchBucket" in msg:
+        return TensorckptError(f"{loc}: {doing} failed: bucket {spec['bucket']!r} does not exist at {at}; "
+                               "create it, or check the URL and AWS_ENDPOINT_URL_S3 / AWS_ENDPOINT_URL")
+    if any(s in msg for s in ("AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch", "http_response_code='403'")):
+        return TensorckptError(f"{loc}: {doing} failed: access denied by {at}; check the credentials "
+                               "(AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY / AWS_SESSION_TOKEN, or AWS_PROFILE)")
+    return TensorckptError(f"{loc}: {doing} failed at {at}: {msg.split(' [http_response_body=')[0]}")
