@@ -44,3 +44,41 @@ def test_distributed_cache_reuses_plan(tmp_path):
     ckpt = tensorckpt.open(tmp_path / "s2")
     assert ckpt.read("step") == 2
     assert torch.equal(ckpt.read("w"), torch.cat([torch.full((2, 3), 20.0), torch.full((2, 3), 21.0)]))
+
+
+def test_saves_running_at_once_in_one_process_keep_a_consistent_cache(tmp_path):
+    """Two threads saving at once (same process, same group, same options)
+    both commit and load bit-exact, and the cache they leave serves the
+    next saves correctly (it once kept one save's local plans with the other's
+    plan, or failed with KeyError)."""
+    import threading
+
+    import torch
+
+    import tensorckpt
+
+    def state(n: int) -> dict:
+        return {"w": torch.arange(n * 64, dtype=torch.float32).reshape(n, 64), "b": torch.full((n,), float(n))}
+
+    errors: list[BaseException] = []
+
+    def save(n: int, path) -> None:
+        try:
+            tensorckpt.save(state(n), path, shard_bytes=n * 64 * 2, inner_chunk_bytes=n * 32)
+        except BaseException as e:  # noqa: BLE001 - re-raised by the test below
+            errors.append(e)
+
+    for rnd in range(5):
+        threads = [threading.Thread(target=save, args=(n, tmp_path / f"r{rnd}n{n}t{i}"))
+                   for i, n in enumerate((8, 8, 12))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert not errors, errors
+    for rnd in range(5):
+        for i, n in enumerate((8, 8, 12)):
+            out = {"w": torch.zeros(n, 64), "b": torch.zeros(n)}
+            tensorckpt.load(out, tmp_path / f"r{rnd}n{n}t{i}")
+            want = state(n)
+            assert torch.equal(out["w"], want["w"]) and torch.equal(out["b"], want["b"])

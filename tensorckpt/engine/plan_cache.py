@@ -20,6 +20,7 @@ from earlier saves in the same process; after re-creating groups by hand).
 
 from __future__ import annotations
 
+import threading
 import weakref
 from typing import Any
 
@@ -37,45 +38,45 @@ def key(size: int, shard_bytes: int | None, inner_chunk_bytes: int | None) -> Ke
 class PlanCache:
     """The plan cache of one process group, per chunking options (:func:`key`).
 
-    A save reads ``layout`` (every rank) and ``plan`` (rank 0), notes rank 0's
-    local plans with ``pend`` while it runs, and ``keep``s them once it has
-    committed; a failed save ``forget``s the entry on every rank, so no rank
-    reuses a plan another rank dropped."""
+    A save reads ``layout`` (every rank) and ``plan`` (rank 0) and, once it
+    has committed, ``keep``s its layout (every rank) with its local plans and
+    plan (rank 0) in one step, so two saves running at once in one process
+    (threads) leave a consistent entry, the last one's; a failed save
+    ``forget``s the entry on every rank, so no rank reuses a plan another
+    rank dropped."""
 
     def __init__(self) -> None:
         self._layout: dict[Key, Any] = {}  # every rank: the items it last saved successfully
         self._plans: dict[Key, tuple[list[LocalPlan], SavePlan]] = {}  # rank 0: local plans + plan
-        self._pending: dict[Key, list[LocalPlan]] = {}  # rank 0: the local plans of the save in flight
+        self._lock = threading.Lock()
 
     def layout(self, k: Key) -> Any:
-        """This rank's items in the last successful save (None: none yet)."""
+        """This rank's items in the last successful save with ``k`` (None: none)."""
         return self._layout.get(k)
 
     def plan(self, k: Key) -> tuple[list[LocalPlan], SavePlan] | None:
         """Rank 0: every rank's local plan and the global plan of that save."""
         return self._plans.get(k)
 
-    def pend(self, k: Key, plans: list[LocalPlan]) -> None:
-        """Rank 0: the local plans of the save in flight (kept once it commits)."""
-        self._pending[k] = plans
-
-    def keep(self, k: Key, layout: Any, plan: SavePlan, rank0: bool) -> None:
-        """The save with ``layout`` (and, on rank 0, ``plan``) committed."""
-        self._layout[k] = layout
-        if rank0:
-            self._plans[k] = (self._pending.pop(k), plan)
+    def keep(self, k: Key, layout: Any, plan: SavePlan, local_plans: list[LocalPlan] | None) -> None:
+        """The save with ``layout`` committed; on rank 0 (``local_plans`` given)
+        also its local plans (without values) and ``plan``."""
+        with self._lock:
+            self._layout[k] = layout
+            if local_plans is not None:
+                self._plans[k] = (local_plans, plan)
 
     def forget(self, k: Key) -> None:
         """The save failed: drop the entry (every rank does, alike)."""
-        self._layout.pop(k, None)
-        self._plans.pop(k, None)
-        self._pending.pop(k, None)
+        with self._lock:
+            self._layout.pop(k, None)
+            self._plans.pop(k, None)
 
     def clear(self) -> None:
         """Drop every entry."""
-        self._layout.clear()
-        self._plans.clear()
-        self._pending.clear()
+        with self._lock:
+            self._layout.clear()
+            self._plans.clear()
 
 
 _BY_GROUP: weakref.WeakKeyDictionary[object, PlanCache] = weakref.WeakKeyDictionary()

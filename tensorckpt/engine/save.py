@@ -214,6 +214,7 @@ def run(state: Mapping, loc: location.Location, g: Group, overwrite: bool, optio
     plans = cache if cache is not None else plan_cache.for_group(g.pg)
     cache_key = plan_cache.key(g.size, options.shard_bytes, options.inner_chunk_bytes)
     layout: Any = None  # this rank's items, kept for the plan cache
+    local_plans: list[list[LocalPlan]] = []  # rank 0: this save's local plans (no values), kept for the cache
 
     def local_plan() -> LocalPlanMessage:
         nonlocal layout
@@ -226,7 +227,8 @@ def run(state: Mapping, loc: location.Location, g: Group, overwrite: bool, optio
         return LocalPlanMessage(sent, same, digests)
 
     plan, c, meta, hit = g.collective(
-        local_plan, lambda gathered: _decide(gathered, loc, overwrite, options, g.size, plans, cache_key),
+        local_plan, lambda gathered: _decide(gathered, loc, overwrite, options, g.size, plans, cache_key,
+                                                          local_plans),
         what=f"save to {loc}", on_failure=lambda: plans.forget(cache_key),
     )
     stats.plan_cache_hit = hit
@@ -268,7 +270,7 @@ def run(state: Mapping, loc: location.Location, g: Group, overwrite: bool, optio
         g.collective(write, finish, what=f"save to {loc}", on_failure=abort)
     finally:
         stats._phase("commit", t)
-    plans.keep(cache_key, layout, plan, g.rank == 0)  # the plan is cached only once a save with it succeeded
+    plans.keep(cache_key, layout, plan, local_plans[0] if local_plans else None)  # cached only once it succeeded
 
 
 
@@ -294,7 +296,8 @@ def _local_plan(state: Mapping, g: Group, loc: location.Location) -> tuple[Local
 
 
 def _decide(gathered: list[LocalPlanMessage], loc: location.Location, overwrite: bool, options: SaveOptions,
-            world: int, cache: plan_cache.PlanCache, cache_key: plan_cache.Key) -> Decision:
+            world: int, cache: plan_cache.PlanCache, cache_key: plan_cache.Key,
+            local_plans: list[list[LocalPlan]]) -> Decision:
     """Rank 0: the global plan (cached or new), where to write, and the root
     metadata. Plain tensors held by several ranks must be equal (their digests),
     and so must values: both are checked before anything is written."""
@@ -317,7 +320,7 @@ def _decide(gathered: list[LocalPlanMessage], loc: location.Location, overwrite:
             options.shard_bytes or grid.DEFAULT_SHARD_BYTES,
             options.inner_chunk_bytes or grid.DEFAULT_INNER_BYTES,
         )
-    cache.pend(cache_key, [replace(p, values={}) for p in plans])  # cached once the save succeeds
+    local_plans.append([replace(p, values={}) for p in plans])  # cached once the save succeeds
     user = check_value(options.metadata or {}, "metadata")
     if not isinstance(user, dict):
         raise UnsupportedValueError("save(metadata=...) must be a dict")
