@@ -49,19 +49,16 @@ def open_store(loc: Location, sub: str = "") -> ts.KvStore:
     return result(loc, ts.KvStore.open(loc.kvstore(sub), context=CONTEXT), "opening the store")
 
 
-_open = open_store
-
-
 def read(loc: Location, key: str) -> bytes | None:
     """The object's bytes, or None if it does not exist."""
-    r = result(loc, _open(loc).read(key), f"reading {key}")
+    r = result(loc, open_store(loc).read(key), f"reading {key}")
     return r.value if r.state == "value" else None
 
 
 def read_range(loc: Location, key: str, start: int, length: int) -> bytes | None:
     """``length`` bytes of ``key`` from ``start`` (fewer at its end) by a
     byte-range request; None if absent."""
-    store = _open(loc)
+    store = open_store(loc)
     try:
         r = result(loc, store.read(key, byte_range=slice(start, start + length)), f"reading {key}")
     except ValueError as e:
@@ -77,18 +74,18 @@ def read_range(loc: Location, key: str, start: int, length: int) -> bytes | None
 
 
 def write(loc: Location, key: str, data: bytes) -> None:
-    result(loc, _open(loc).write(key, data), f"writing {key}")
+    result(loc, open_store(loc).write(key, data), f"writing {key}")
 
 
 def create(loc: Location, key: str, data: bytes) -> bool:
     """Write ``key`` only if it does not exist (S3: ``If-None-Match: *``);
     False: it existed, nothing was written."""
-    stamp = result(loc, _open(loc).write(key, data, if_equal=NO_VALUE), f"creating {key}")
+    stamp = result(loc, open_store(loc).write(key, data, if_equal=NO_VALUE), f"creating {key}")
     return bool(stamp.generation)
 
 
 def delete(loc: Location, key: str) -> None:
-    result(loc, _open(loc).delete_range(ts.KvStore.KeyRange(key, key + "\0")), f"deleting {key}")
+    result(loc, open_store(loc).delete_range(ts.KvStore.KeyRange(key, key + "\0")), f"deleting {key}")
 
 
 def list_keys(loc: Location, limit: int | None = None) -> list[str]:
@@ -98,7 +95,7 @@ def list_keys(loc: Location, limit: int | None = None) -> list[str]:
 
 def ts_list(loc: Location, limit: int | None = None) -> list[str]:
     """:func:`list_keys` through TensorStore (the location must exist)."""
-    keys = [k.decode("utf-8", "replace") for k in result(loc, _open(loc).list(), "listing")]
+    keys = [k.decode("utf-8", "replace") for k in result(loc, open_store(loc).list(), "listing")]
     keys.sort()
     return keys[:limit] if limit is not None else keys
 
@@ -114,12 +111,12 @@ def delete_all(loc: Location) -> None:
 
 def ts_delete_all(loc: Location) -> None:
     """Delete every key under ``loc`` through TensorStore."""
-    result(loc, _open(loc).delete_range(ts.KvStore.KeyRange()), "deleting")
+    result(loc, open_store(loc).delete_range(ts.KvStore.KeyRange()), "deleting")
 
 
 def copy_all(src: Location, dst: Location, skip: tuple[str, ...] = ()) -> None:
     """Copy every object under ``src`` to ``dst`` (object stores have no rename)."""
-    s, d = _open(src), _open(dst)
+    s, d = open_store(src), open_store(dst)
     futures = []
     for key in list_keys(src):
         if key not in skip:
@@ -184,9 +181,9 @@ def sync_tree(path: str) -> None:
         os.close(fd)
 
 
-def _fsync(path: str) -> None:
-    """fsync of a file or directory, opened without following a link."""
-    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+def _fsync(path: str, flags: int = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC) -> None:
+    """fsync of a file or directory, by default opened without following a link."""
+    fd = os.open(path, flags)
     try:
         os.fsync(fd)
     finally:
@@ -194,18 +191,15 @@ def _fsync(path: str) -> None:
 
 
 def fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    """fsync of a directory the caller named (a link to it is followed: a manager root may be one)."""
+    _fsync(path, os.O_RDONLY)
 
 
 def write_many_async(loc: Location, objects: dict[str, bytes]) -> Callable[[], None]:
     """Start writing several small objects; returns a function that waits."""
     if not objects:
         return lambda: None
-    store = _open(loc)
+    store = open_store(loc)
     futures = [store.write(k, v) for k, v in objects.items()]
 
     def wait() -> None:

@@ -46,8 +46,7 @@ class KvStore:
         return pinned.read_remote(loc, key, limit, where)
 
     def read_range(self, loc: Location, key: str, start: int, length: int) -> bytes | None:
-        data = kv.read(loc, key)
-        return None if data is None else data[start:start + length]
+        return kv.read_range(loc, key, start, length)
 
     def write(self, loc: Location, key: str, data: bytes) -> None:
         kv.write(loc, key, data)
@@ -130,9 +129,6 @@ class S3Store(KvStore):
             return super().read(loc, key, limit, where)
         except ValueError as e:
             raise s3_error(loc, e, f"reading {key}") from e
-
-    def read_range(self, loc: Location, key: str, start: int, length: int) -> bytes | None:
-        return kv.read_range(loc, key, start, length)
 
     def list(self, loc: Location, limit: int | None = None) -> list[str]:
         try:
