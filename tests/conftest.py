@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import itertools
 import os
+import sys
 
 import pytest
+
+sys.path.insert(0, os.path.dirname(__file__))
+from s3server import BUCKET, MotoServer  # noqa: E402
 
 _counter = itertools.count()
 
@@ -36,3 +40,26 @@ def fresh_plan_cache():
 
     plan_cache.clear()
     yield
+
+
+@pytest.fixture(scope="session")
+def moto():
+    pytest.importorskip("moto.server", reason="moto[server] is not installed (the test extra)")
+    with MotoServer() as server:
+        server.make_bucket(BUCKET)
+        yield server
+
+
+@pytest.fixture
+def s3(moto, monkeypatch):
+    """A factory of fresh ``s3://`` URLs on the test server (its environment set)."""
+    for k, v in moto.env().items():
+        monkeypatch.setenv(k, v)
+    for k in ("AWS_ENDPOINT_URL", "AWS_PROFILE", "AWS_SESSION_TOKEN", "TENSORCKPT_S3_TIMEOUT"):
+        monkeypatch.delenv(k, raising=False)
+    run = f"t{os.getpid()}-{next(_counter)}"
+
+    def make(name: str = "ckpt") -> str:
+        return f"s3://{BUCKET}/{run}/{name}"
+
+    return make

@@ -15,6 +15,7 @@ import urllib.error
 import urllib.request
 
 ACCESS_KEY, SECRET_KEY, REGION = "testing", "testing", "us-east-1"
+BUCKET = "tensorckpt-test"  # made by the tests' moto fixture (conftest.py)
 
 
 def free_port() -> int:

@@ -8,7 +8,6 @@ endpoint that never answers and two saves racing to one new location."""
 
 from __future__ import annotations
 
-import itertools
 import os
 import socket
 import sys
@@ -23,35 +22,9 @@ from tensorckpt import CheckpointExistsError, InvalidPathError, TensorckptError
 from tensorckpt.storage import commit, kv, location
 from tensorckpt.storage.backend import backend_for
 
-sys.path.insert(0, os.path.dirname(__file__))
-from s3server import MotoServer  # noqa: E402
-
 pytestmark = pytest.mark.usefixtures("fresh_plan_cache")
-BUCKET = "tensorckpt-test"
-_n = itertools.count()
-
-
-@pytest.fixture(scope="session")
-def moto():
-    pytest.importorskip("moto.server", reason="moto[server] is not installed (the test extra)")
-    with MotoServer() as server:
-        server.make_bucket(BUCKET)
-        yield server
-
-
-@pytest.fixture
-def s3(moto, monkeypatch):
-    """A factory of fresh ``s3://`` URLs on the test server (its environment set)."""
-    for k, v in moto.env().items():
-        monkeypatch.setenv(k, v)
-    for k in ("AWS_ENDPOINT_URL", "AWS_PROFILE", "AWS_SESSION_TOKEN", "TENSORCKPT_S3_TIMEOUT"):
-        monkeypatch.delenv(k, raising=False)
-    run = f"t{os.getpid()}-{next(_n)}"
-
-    def make(name: str = "ckpt") -> str:
-        return f"s3://{BUCKET}/{run}/{name}"
-
-    return make
+sys.path.insert(0, os.path.dirname(__file__))
+from s3server import BUCKET  # noqa: E402  (the moto and s3 fixtures are conftest.py's)
 
 
 def _keys(moto, url: str) -> list[str]:
