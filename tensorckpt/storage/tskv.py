@@ -61,7 +61,7 @@ class KvStore:
         return bool(self.list(loc, limit=1))
 
     def sizes(self, loc: Location, prefix: str) -> Iterator[tuple[str, int | None]]:
-        sub = Location(loc.scheme, f"{loc.path}/{prefix}")
+        sub = loc.child(prefix)
         for name in self.list(sub):
             data = kv.read(sub, name)
             if data is not None:
@@ -141,7 +141,7 @@ class S3Store(KvStore):
         TensorStore, but refuses a range past an object's end naming its
         ``ActualObjectSize``; one small request per object, all at once.
         Where the answer names none (another server), the object is read."""
-        sub = Location(loc.scheme, f"{loc.path}/{prefix}")
+        sub = loc.child(prefix)
         names = self.list(sub)
         if not names:
             return
