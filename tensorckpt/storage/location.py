@@ -219,6 +219,11 @@ def parse(path: PathArg, storage_options: Mapping[str, Any] | None = None) -> Lo
     return replace(loc, options=check_options(loc, storage_options))
 
 
+def takes_options(loc: Location) -> bool:
+    """Whether ``loc``'s scheme accepts any storage options (s3, fsspec)."""
+    return OPTIONS[loc.scheme] != {}
+
+
 def check_options(loc: Location, options: Mapping[str, Any]) -> str:
     """``options`` as canonical JSON, once every name is one ``loc``'s scheme
     accepts and every value of the accepted type. Messages name the keys,
@@ -233,6 +238,7 @@ def check_options(loc: Location, options: Mapping[str, Any]) -> str:
             takes = f"accepted: {', '.join(accepted)}" if accepted else (
                 "a local or memory:// path takes none (they are for s3:// and fsspec URLs)")
             raise InvalidPathError(f"{loc}: unknown storage option(s) {', '.join(map(repr, unknown))}; {takes}")
+        options = {k: _coerce(v, accepted[k]) for k, v in options.items()}
         for k, v in options.items():
             kind = accepted[k]
             if not isinstance(v, kind) or (kind is int and (isinstance(v, bool) or not isinstance(v, int) or v < 1)):
@@ -247,6 +253,15 @@ def check_options(loc: Location, options: Mapping[str, Any]) -> str:
     except (TypeError, ValueError):
         raise InvalidPathError(f"{loc}: storage option values must be JSON values (str, number, bool, None, "
                                "lists and mappings of them): they travel with the location") from None
+
+
+def _coerce(value: Any, kind: type) -> Any:
+    """A string (the CLI's, an environment variable's) for an int or bool option, as that."""
+    if isinstance(value, str) and kind is int and value.strip().isdigit():
+        return int(value)
+    if isinstance(value, str) and kind is bool and value.lower() in ("true", "false", "1", "0"):
+        return value.lower() in ("true", "1")
+    return value
 
 
 def _parse(path: PathArg) -> Location:
