@@ -51,6 +51,11 @@ class Backend(Protocol):
     def fast_chunks(self) -> bool:
         """:meth:`chunk_writer` / :meth:`chunk_reader` give tensorckpt's own codec (``direct.py``)."""
     @property
+    def kvstore(self) -> bool:
+        """TensorStore opens the location's kvstore spec; False: the backend
+        does its own object I/O (``get``, ``create``, ``write_many``,
+        ``copy_all`` besides the methods here; :mod:`.kv` asks it)."""
+    @property
     def shared(self) -> bool:
         """Other processes see the same objects (a distributed job can use it)."""
     @property
@@ -98,6 +103,7 @@ _REGISTRY: dict[str, tuple[str, str]] = {
     "file": ("local", "LocalFileSystem"),
     "memory": ("tskv", "MemoryStore"),
     "s3": ("tskv", "S3Store"),
+    "fsspec": ("fsspec", "FsspecStore"),
 }
 _BACKENDS: dict[str, Backend] = {}
 

@@ -35,6 +35,7 @@ class KvStore:
     supports_rename = False
     records_times = False
     fast_chunks = False
+    kvstore = True
     shared = True
     commit = RootLastCommit()
 
