@@ -149,11 +149,20 @@ class FsspecObject:
         return None
 
 
+def has_directories(fs: Any) -> bool:
+    """Whether the file system has directories that must exist before a file
+    in them (its paths are rooted at "/": local, sftp, hdfs). An object store
+    has none, and its ``makedirs`` would create a missing bucket: never called there."""
+    return getattr(fs, "root_marker", "") == "/"
+
+
 def pipe(fs: Any, path: str, data: bytes) -> None:
     """Write a whole object, making the directories above it where the file system has them."""
     try:
         fs.pipe_file(path, data)
-    except FileNotFoundError:  # a local file system: the directory is not there yet
+    except FileNotFoundError:
+        if not has_directories(fs):
+            raise  # an object store: the bucket is missing
         fs.makedirs(posixpath.dirname(path), exist_ok=True)
         fs.pipe_file(path, data)
 
@@ -216,25 +225,27 @@ class FsspecStore:
             pipe(fs, f"{root}/{key}", data)
 
     def create(self, loc: Location, key: str, data: bytes) -> bool:
-        """Write ``key`` only if it does not exist (module docstring: atomic
-        where the file system has an exclusive create); False: it existed."""
+        """Write ``key`` only if it does not exist; False: it existed. A file
+        system with directories: ``open(..., "xb")`` (``O_EXCL`` locally); an
+        object store: ``pipe_file(mode="create")`` (s3fs: ``If-None-Match: *``;
+        elsewhere fsspec's check then write, not atomic: module docstring)."""
         fs, root = self._fs(loc)
         path = f"{root}/{key}"
         with errors(loc, f"creating {key}"):
             try:
+                if not has_directories(fs):
+                    fs.pipe_file(path, data, mode="create")
+                    return True
                 try:
-                    with fs.open(path, "xb") as f:
-                        f.write(data)
-                except FileNotFoundError:
                     fs.makedirs(posixpath.dirname(path), exist_ok=True)
                     with fs.open(path, "xb") as f:
                         f.write(data)
-                except (ValueError, NotImplementedError, TypeError):  # no exclusive create: check, then write
+                except (ValueError, NotImplementedError):  # no exclusive open: check, then write
                     fs.pipe_file(path, data, mode="create")
             except FileExistsError:
                 return False
             except OSError as e:
-                if "PreconditionFailed" in str(e) or "412" in str(e):  # s3fs: If-None-Match refused the write
+                if "PreconditionFailed" in str(e) or "412" in str(e):  # If-None-Match refused the write
                     return False
                 raise
         return True
