@@ -175,5 +175,6 @@ def s3_error(loc: Location, e: ValueError, doing: str) -> TensorckptError:
                                "create it, or check the URL and AWS_ENDPOINT_URL_S3 / AWS_ENDPOINT_URL")
     if any(s in msg for s in ("AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch", "http_response_code='403'")):
         return TensorckptError(f"{loc}: {doing} failed: access denied by {at}; check the credentials "
-                               "(AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY / AWS_SESSION_TOKEN, or AWS_PROFILE)")
+                               "(AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY / AWS_SESSION_TOKEN, or AWS_PROFILE; "
+                               "storage_options key / secret / token / profile override them)")
     return TensorckptError(f"{loc}: {doing} failed at {at}: {msg.split(' [http_response_body=')[0]}")
