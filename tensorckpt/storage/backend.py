@@ -20,6 +20,10 @@ Who calls what, in which order:
 - ``clean`` and the manager: :meth:`Backend.names`, :meth:`Backend.age`,
   :meth:`Backend.exists` and the strategy's ``leftovers`` / ``remove``.
 
+The backends: :mod:`.local` (``file``), :mod:`.tskv` (``memory``, ``s3``:
+TensorStore kvstores) and :mod:`.fsspec` (``fsspec``: every other file
+system, with its own object I/O, ``kvstore`` False).
+
 Backends differ by capability flags, never by scheme tests at call sites (as
 zarr-python's ``Store``). Adding a kind of storage is one class here or in a
 module of its own, and one line in :data:`_REGISTRY`.
