@@ -156,6 +156,7 @@ class CheckpointManager:
             if not (isinstance(seconds, (int, float)) and not isinstance(seconds, bool) and seconds >= 0):
                 raise ValueError(f"CheckpointManager({name}=...) must be a number of seconds >= 0, got {seconds!r}")
         self.root = location.parse(root, storage_options)
+        self._options = self.root.storage_options or None  # passed on with each step's path
         self._fs = backend_for(self.root).supports_rename  # a file system: directories, renames, times
         if self._fs:
             _check_root(self.root)
@@ -202,7 +203,7 @@ class CheckpointManager:
         self._agree_on_step(step, options.get("overwrite", False))
         self._in_flight[step] = None
         try:
-            _save(state, self._loc(step), process_group=self.process_group, **options)
+            _save(state, self.step_path(step), process_group=self.process_group, storage_options=self._options, **options)
         finally:
             del self._in_flight[step]
         self._committed(step)
@@ -224,8 +225,8 @@ class CheckpointManager:
         self._in_flight = {s: h for s, h in self._in_flight.items() if h is None or not h.done()}
         self._in_flight[step] = None
         try:
-            handle = _async_save(state, self._loc(step), process_group=self.process_group,
-                                 on_durable=durable, **options)
+            handle = _async_save(state, self.step_path(step), process_group=self.process_group,
+                                 on_durable=durable, storage_options=self._options, **options)
         finally:
             del self._in_flight[step]
         self._in_flight[step] = handle  # in flight until the handle is done
@@ -322,8 +323,8 @@ class CheckpointManager:
             if s is None:
                 return None
             try:
-                _load(state, self._loc(s), process_group=self.process_group, strict=strict, partial=partial,
-                      cast=cast, stats=stats)
+                _load(state, self.step_path(s), process_group=self.process_group, strict=strict, partial=partial,
+                      cast=cast, stats=stats, storage_options=self._options)
                 return s
             except CheckpointChangedError:  # replaced or retired while read (spec 10.7): read again
                 if attempt == RESTORE_ATTEMPTS - 1:
@@ -392,7 +393,7 @@ class CheckpointManager:
             if superseded is None or now - superseded < self.reader_grace:
                 continue  # a reader may have resolved it as the newest step moments ago
             if entries[s].leftovers:  # a stale or running replace of it: its leftovers first
-                report = _clean_leftovers(self._loc(s), older_than=self.grace)
+                report = _clean_leftovers(self.step_path(s), older_than=self.grace, storage_options=self._options)
                 if not all(x.removed for x in report.leftovers):
                     continue
             self._retire(s)
@@ -401,7 +402,7 @@ class CheckpointManager:
             if s in busy or s in retired or not (e.leftovers or (e.target and not e.committed)):
                 continue
             # spec 10.5: the grace-period rule; for a kept committed step too (a stale replace's leftovers)
-            _clean_leftovers(self._loc(s), older_than=self.grace)
+            _clean_leftovers(self.step_path(s), older_than=self.grace, storage_options=self._options)
         for loc in self._retired():
             _remove(loc)  # interrupted retirements: no reader can reach them
         return retired
