@@ -136,6 +136,12 @@ def test_a_slice_reads_only_its_byte_ranges(where, monkeypatch):
     assert rows >= 4 and sum(fetched) == need * (rows * cols * 4 + 4) < big.numel() * 4 // 4, fetched  # of 2 MiB
 
 
+def test_async_save(where):
+    url = where()
+    tensorckpt.async_save(_state(), url, storage_options=where.options).wait()
+    assert _equal(tensorckpt.load(_empty(), url, storage_options=where.options), _state())
+
+
 def test_resharded_load(where):
     url = where()
     full = _state()

@@ -24,6 +24,9 @@ are durable when the file system says a write is complete (an object
 store's PUT; fsspec's local file system does not fsync: a local checkpoint
 that must survive a power cut belongs on the native file backend).
 
+Listings and sizes are asked afresh (a file system's listing cache, as
+s3fs keeps, is invalidated first): other processes write the same location.
+
 Errors of the file system (``FileNotFoundError``, ``PermissionError``,
 botocore's, ...) become :class:`TensorckptError` subclasses naming the URL
 and the operation, never a storage option's value.
@@ -101,6 +104,7 @@ class FsspecObjects:
     def open(self, rel: str, where: str) -> FsspecObject:
         path = f"{self.root}/{rel}"
         try:
+            self.fs.invalidate_cache(path)  # another process may have replaced it: no cached listing's size
             info = self.fs.info(path)
         except FileNotFoundError:
             raise CorruptCheckpointError(f"{where}, is missing") from None
@@ -277,6 +281,7 @@ class FsspecStore:
         fs, root = self._fs(loc)
         with errors(loc, "listing"):
             try:
+                fs.invalidate_cache(root)  # other processes write here: list afresh (s3fs caches listings)
                 found = fs.find(root, detail=True)
             except (FileNotFoundError, NotADirectoryError):
                 return {}
