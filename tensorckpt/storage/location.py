@@ -45,8 +45,9 @@ uploads: an object is at most one shard of a few hundred MiB, far below S3's
 5 GiB single-PUT limit, and an interrupted PUT leaves nothing behind);
 transient failures are retried ``S3_RETRIES`` times with backoff.
 
-Every other URL scheme that fsspec knows (``gs://``, ``hdfs://``,
-``abfs://``, ...) and, explicitly for any fsspec protocol,
+The storage systems fsspec implements and TensorStore has no driver for
+(``gs://``, ``hdfs://``, ``abfs://``, ...: :data:`FSSPEC_STORES`) and,
+explicitly for any fsspec protocol,
 ``fsspec+PROTO://...`` (``fsspec+s3://bucket/x``, ``fsspec+file:///abs/x``)
 is stored through fsspec (:mod:`.fsspec`, scheme ``"fsspec"``; the path is
 the URL as given). There ``storage_options`` are passed as they are to
@@ -83,6 +84,10 @@ SYNC_CONTEXT = ts.Context({"file_io_sync": True}, parent=CONTEXT)
 
 SCHEMES = ("file", "memory", "s3")  # TensorStore drivers; "fsspec" holds the rest
 FSSPEC_PREFIX = "fsspec+"
+# Schemes taken to fsspec without the prefix: the storage systems among fsspec's implementations
+# (not http, archives, caches or other wrappers: those need fsspec+PROTOCOL:// explicitly)
+FSSPEC_STORES = ("gs", "hdfs", "abfs", "az", "gcs", "abfss", "adl", "webhdfs", "viewfs", "oss", "sftp", "ssh",
+                 "smb", "ftp", "dbfs", "oci", "ocilake", "tos", "tosfs", "s3a", "lakefs")
 S3_DEFAULT_REGION = "us-east-1"
 # S3 retries transient failures (503 SlowDown, dropped connections, refused connections) this often,
 # with backoff (0.2, 0.4, ... s): a persistent failure ends in an error after ~6 s, not minutes
@@ -294,11 +299,12 @@ def _parse(path: PathArg) -> Location:
         if url.query or url.fragment or url.params:
             raise InvalidPathError(f"{path!r}: an S3 URL has no '?', '#' or ';' part; the expected form is s3://bucket/prefix/name")
         return _parse_s3(path, url.netloc, unquote(url.path))
-    if url.scheme.startswith(FSSPEC_PREFIX) or fsspec_knows(url.scheme):
+    if url.scheme.startswith(FSSPEC_PREFIX) or url.scheme in FSSPEC_STORES:
         return _parse_fsspec(path)
     raise InvalidPathError(
         f"{path!r}: unsupported scheme {url.scheme!r}; use a local path, file://, memory://, s3://bucket/prefix/name, "
-        "or a URL of a file system fsspec knows (PROTOCOL://..., or fsspec+PROTOCOL://... for any)"
+        f"a storage URL fsspec implements ({', '.join(s + '://' for s in FSSPEC_STORES[:4])}, ...), or "
+        "fsspec+PROTOCOL://... for any fsspec file system"
     )
 
 
