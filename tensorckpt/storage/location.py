@@ -36,8 +36,11 @@ under the names s3fs and DCP's ``FsspecWriter`` use:
   temporary directory, removed at exit) used through TensorStore's
   ``profile`` credentials; ``profile``: a named profile of the usual AWS
   files; ``anon=True``: unsigned requests;
-- ``request_concurrency``: HTTP requests in flight at once per process
-  (TensorStore's ``s3_request_concurrency``; default TensorStore's, 32).
+- ``request_concurrency``: HTTP requests in flight at once for each store
+  TensorStore opens with it (an ``s3_request_concurrency`` resource in the
+  spec, so a save's many opened arrays may together have more); unset:
+  TensorStore's one queue per process, 32 requests (or
+  ``TENSORSTORE_S3_REQUEST_CONCURRENCY``, read once).
 
 Throughput settings: requests go ``request_concurrency`` at a time; each
 stored object is one PUT (TensorStore's s3 driver makes no multipart
