@@ -163,6 +163,16 @@ def test_verify_finds_damage(where):
     assert not report.ok and "CRC-32C" in report.problems[0].message
 
 
+def test_an_oversized_object_is_refused_before_it_is_fetched(where):
+    url = where()
+    tensorckpt.save(_state(), url, storage_options=where.options)
+    loc = where.loc(url)
+    kv.write(loc, "w/c/0/0", kv.read(loc, "w/c/0/0") + bytes(1 << 20))
+    with pytest.raises(tensorckpt.CorruptCheckpointError, match="more than its inner chunks and index can take"):
+        tensorckpt.load(_empty(), url, storage_options=where.options)
+    assert tensorckpt.verify(url, storage_options=where.options).problems[0].kind == "corrupt"
+
+
 def test_clean_removes_an_interrupted_save(where):
     url = where()
     tensorckpt.save(_state(), url, storage_options=where.options)
