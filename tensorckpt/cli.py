@@ -28,8 +28,8 @@ Exit status: 0 success, 1 incomplete or corrupt checkpoint (inspect,
 verify), 2 usage or other errors.
 
 Storage options (``storage_options=`` of the API: endpoint, credentials,
-fsspec arguments; README "Object storage") for inspect, verify, clean and
-list: ``--storage-option KEY=VALUE`` (repeatable; ``KEY:=JSON`` for a JSON
+fsspec arguments; README "Object storage") for inspect, verify, clean,
+list and convert (its ``s3://`` / fsspec side): ``--storage-option KEY=VALUE`` (repeatable; ``KEY:=JSON`` for a JSON
 value), over the JSON object in the environment variable
 ``TENSORCKPT_STORAGE_OPTIONS``, key by key: a flag wins over the variable.
 The variable applies only to paths that take options (``s3://`` and fsspec
@@ -111,8 +111,10 @@ def convert(args: argparse.Namespace, out: Stream | None = None) -> int:
                                   ("max_shard_size", args.max_shard_size), ("to_format", args.to_format)) if v}
     if args.memory_mib:
         options["memory_bytes"] = args.memory_mib << 20
+    remote = args.dst if location.takes_options(location.parse(args.dst)) else args.src
     result = convert_checkpoint(args.src, args.dst, src_format=args.from_format, dtype=args.dtype,
-                                progress=False if args.quiet else None, **options)
+                                progress=False if args.quiet else None,
+                                storage_options=storage_options(remote, args.storage_option), **options)
     detail = f" ({result.tensors} tensors, {result.values} values, {_size(result.bytes_read)} in {result.seconds:.1f} s)" \
         if isinstance(result, ImportReport) else ""
     print(f"converted {args.src} -> {args.dst}{detail}", file=out)
@@ -334,6 +336,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-shard-size", metavar="SIZE", help="safetensors shard size (default 5GB)")
     p.add_argument("--memory-mib", type=int, metavar="MIB", help="bound on tensor data held in memory (default 256)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
+    _storage_flag(p)
     p = sub.add_parser("inspect", help="print the tree, format version and completeness of a checkpoint")
     p.add_argument("path")
     _storage_flag(p)

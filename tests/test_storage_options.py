@@ -149,6 +149,19 @@ def test_options_make_the_spec(env):
     assert location.parse(_url(), {"region": "ap-south-1"}).kvstore()["aws_region"] == "ap-south-1"
 
 
+def test_convert_to_and_from_s3(server, env, tmp_path, capsys):
+    env(AWS_ENDPOINT_URL_S3="http://127.0.0.1:9")
+    tensorckpt.save(_state(), tmp_path / "local")
+    url, opts = _url(), _right(server)
+    tensorckpt.convert(tmp_path / "local", url, storage_options=opts, progress=False)
+    out = tensorckpt.load(_empty(), url, storage_options=opts)
+    assert torch.equal(out["w"], _state()["w"]) and torch.equal(out["h"], _state()["h"])
+    flags = [f"--storage-option=endpoint_url={server.endpoint}", f"--storage-option=key={server.key}",
+             f"--storage-option=secret={server.secret}"]
+    assert main(["convert", url, str(tmp_path / "back"), "--quiet", *flags]) == 0
+    assert torch.equal(tensorckpt.open(tmp_path / "back").read("w"), _state()["w"])
+
+
 def test_cli_flag_and_environment_variable(server, env, capsys, monkeypatch):
     env(AWS_ENDPOINT_URL_S3="http://127.0.0.1:9")
     url = _url()
