@@ -11,6 +11,8 @@ arrays, written and read through TensorStore, resharded at load time.
 __version__ = "0.1.0"
 
 import os
+from collections.abc import Mapping
+from typing import Any
 
 import tensorckpt_zarr_dtypes as _zarr_dtypes
 
@@ -49,9 +51,10 @@ from .verify import VerifyReport, verify
 _zarr_dtypes.register()  # zarr-python in this process reads bfloat16/float8 arrays too
 
 
-def open(path: str | os.PathLike[str]) -> Checkpoint:  # noqa: A001 - the public name the API promises
-    """Open a committed checkpoint read-only (no process group needed)."""
-    return Checkpoint(path)
+def open(path: str | os.PathLike[str], *, storage_options: Mapping[str, Any] | None = None) -> Checkpoint:  # noqa: A001 - the public name the API promises
+    """Open a committed checkpoint read-only (no process group needed);
+    ``storage_options`` as in :func:`tensorckpt.save`."""
+    return Checkpoint(path, storage_options=storage_options)
 
 
 __all__ = [

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import math
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 from types import EllipsisType
 from typing import Any
@@ -115,8 +116,8 @@ def parse_root_bytes(loc: location.Location, data: bytes) -> RootMetadata:
 class Checkpoint(StoredArrays):
     """A committed checkpoint, opened read-only."""
 
-    def __init__(self, path: str | os.PathLike | location.Location) -> None:
-        loc = location.parse(path)
+    def __init__(self, path: str | os.PathLike | location.Location, *, storage_options: Mapping[str, Any] | None = None) -> None:
+        loc = location.parse(path, storage_options)
         pin, data = open_pinned(loc)
         super().__init__(loc, parse_root_bytes(loc, data), pin)
 

@@ -26,7 +26,9 @@ from __future__ import annotations
 import errno
 import os
 import stat
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 from .storage import commit, kv, location
 from .storage.backend import backend_for
@@ -57,12 +59,14 @@ class CleanReport:
         }
 
 
-def clean(path: location.PathArg, *, older_than: float = DEFAULT_OLDER_THAN, dry_run: bool = False) -> CleanReport:
+def clean(path: location.PathArg, *, older_than: float = DEFAULT_OLDER_THAN, dry_run: bool = False,
+          storage_options: Mapping[str, Any] | None = None) -> CleanReport:
     """Find the leftovers of interrupted saves to ``path`` and remove those the
-    rule allows (see the module docstring); with ``dry_run`` remove nothing."""
+    rule allows (see the module docstring); with ``dry_run`` remove nothing.
+    ``storage_options`` as in :func:`tensorckpt.save`."""
     if not older_than >= 0:
         raise ValueError(f"older_than must be a number of seconds >= 0, got {older_than!r}")
-    target = location.parse(path)
+    target = location.parse(path, storage_options)
     try:
         return _clean(target, older_than, dry_run)
     except OSError as e:

@@ -26,6 +26,16 @@
 
 Exit status: 0 success, 1 incomplete or corrupt checkpoint (inspect,
 verify), 2 usage or other errors.
+
+Storage options (``storage_options=`` of the API: endpoint, credentials,
+fsspec arguments; README "Object storage") for inspect, verify, clean,
+list and convert (its ``s3://`` / fsspec side): ``--storage-option KEY=VALUE`` (repeatable; ``KEY:=JSON`` for a JSON
+value), over the JSON object in the environment variable
+``TENSORCKPT_STORAGE_OPTIONS``, key by key: a flag wins over the variable.
+The variable applies only to paths that take options (``s3://`` and fsspec
+URLs); a flag given for a local path is an error. VALUE is a string
+(``request_concurrency=64`` and ``anon=true`` are read as the number and
+the flag those options are).
 """
 
 from __future__ import annotations
@@ -36,7 +46,8 @@ import os
 import re
 import sys
 import time
-from typing import Protocol, TextIO
+from collections.abc import Mapping
+from typing import Any, Protocol, TextIO
 
 from . import monitor
 from .checkpoint import Checkpoint
@@ -44,6 +55,7 @@ from .clean import DEFAULT_OLDER_THAN
 from .clean import clean as clean_leftovers
 from .errors import IncompleteCheckpointError, TensorckptError
 from .format.keys import split_flat_key
+from .storage import location
 from .verify import verify as verify_checkpoint
 
 
@@ -99,18 +111,53 @@ def convert(args: argparse.Namespace, out: Stream | None = None) -> int:
                                   ("max_shard_size", args.max_shard_size), ("to_format", args.to_format)) if v}
     if args.memory_mib:
         options["memory_bytes"] = args.memory_mib << 20
+    remote = args.dst if location.takes_options(location.parse(args.dst)) else args.src
     result = convert_checkpoint(args.src, args.dst, src_format=args.from_format, dtype=args.dtype,
-                                progress=False if args.quiet else None, **options)
+                                progress=False if args.quiet else None,
+                                storage_options=storage_options(remote, args.storage_option), **options)
     detail = f" ({result.tensors} tensors, {result.values} values, {_size(result.bytes_read)} in {result.seconds:.1f} s)" \
         if isinstance(result, ImportReport) else ""
     print(f"converted {args.src} -> {args.dst}{detail}", file=out)
     return 0
 
 
-def inspect(path: str, as_json: bool = False, out: Stream | None = None) -> int:
+STORAGE_OPTIONS_ENV = "TENSORCKPT_STORAGE_OPTIONS"
+
+
+def storage_options(path: str, flags: list[str] | None = None) -> dict[str, Any] | None:
+    """The storage options of ``path``: ``TENSORCKPT_STORAGE_OPTIONS`` (a JSON
+    object; only for a path that takes options), then each ``KEY=VALUE`` /
+    ``KEY:=JSON`` of ``flags`` over it (module docstring). None: none."""
+    out: dict[str, Any] = {}
+    raw = os.environ.get(STORAGE_OPTIONS_ENV, "").strip()
+    if raw and location.takes_options(location.parse(path)):
+        try:
+            env = json.loads(raw)
+        except json.JSONDecodeError as e:
+            raise TensorckptError(f"{STORAGE_OPTIONS_ENV}: not JSON ({e.msg} at character {e.pos})") from None
+        if not isinstance(env, dict):
+            raise TensorckptError(f"{STORAGE_OPTIONS_ENV}: must hold a JSON object of option names to values")
+        out.update(env)
+    for flag in flags or ():
+        key, eq, value = flag.partition("=")
+        if not eq or not key.rstrip(":"):
+            raise TensorckptError(f"--storage-option {key or flag!r}...: expected KEY=VALUE or KEY:=JSON")
+        if key.endswith(":"):
+            key = key[:-1]
+            try:
+                out[key] = json.loads(value)
+            except ValueError:
+                raise TensorckptError(f"--storage-option {key}:=...: the value is not JSON") from None
+        else:
+            out[key] = value
+    return out or None
+
+
+def inspect(path: str, as_json: bool = False, out: Stream | None = None, *,
+            storage_options: Mapping[str, Any] | None = None) -> int:
     out = _SafeOut(out or sys.stdout)
     try:
-        ckpt = Checkpoint(path)
+        ckpt = Checkpoint(path, storage_options=storage_options)
     except IncompleteCheckpointError as e:
         print(json.dumps({"path": path, "complete": False, "error": str(e)}) if as_json else f"status: INCOMPLETE\n{e}", file=out)
         return 1
@@ -149,14 +196,14 @@ def inspect(path: str, as_json: bool = False, out: Stream | None = None) -> int:
 
 
 def verify(path: str, as_json: bool = False, quiet: bool = False, out: Stream | None = None,
-           err: TextIO | None = None) -> int:
+           err: TextIO | None = None, *, storage_options: Mapping[str, Any] | None = None) -> int:
     """Check a checkpoint completely (:func:`tensorckpt.verify`), with a
     progress bar on ``err`` when it is a terminal. Returns 0 if all is well,
     1 if the checkpoint is incomplete or corrupt."""
     out, err = out or sys.stdout, err or sys.stderr
     bar = _Progress(err) if not quiet and err.isatty() else None
     try:
-        report = verify_checkpoint(path, progress=bar)
+        report = verify_checkpoint(path, progress=bar, storage_options=storage_options)
     finally:
         if bar is not None:
             bar.close()
@@ -173,12 +220,12 @@ def verify(path: str, as_json: bool = False, quiet: bool = False, out: Stream | 
 
 
 def clean(path: str, older_than: float = DEFAULT_OLDER_THAN, dry_run: bool = False, as_json: bool = False,
-          out: Stream | None = None) -> int:
+          out: Stream | None = None, *, storage_options: Mapping[str, Any] | None = None) -> int:
     """Remove the leftovers of interrupted saves to ``path`` that the rule of
     spec 10.5 allows (:func:`tensorckpt.clean`); report what went and what
     stayed, and why."""
     out = out or sys.stdout
-    report = clean_leftovers(path, older_than=older_than, dry_run=dry_run)
+    report = clean_leftovers(path, older_than=older_than, dry_run=dry_run, storage_options=storage_options)
     if not as_json:
         out = _SafeOut(out)
     if as_json:
@@ -220,12 +267,12 @@ class _Progress:
             self.stream.flush()
 
 
-def list_steps(root: str, as_json: bool = False, out: Stream | None = None) -> int:
+def list_steps(root: str, as_json: bool = False, out: Stream | None = None, *, storage_options: Mapping[str, Any] | None = None) -> int:
     """The steps under a :class:`tensorckpt.CheckpointManager` root."""
     from .manager import CheckpointManager
 
     out = out or sys.stdout
-    steps = CheckpointManager(root).steps()  # refuses a checkpoint, a file, a FIFO (not a manager root)
+    steps = CheckpointManager(root, storage_options=storage_options).steps()  # refuses a checkpoint, a file, a FIFO (not a manager root)
     if not os.path.lexists(os.path.expanduser(root)) and "://" not in root:
         raise TensorckptError(f"{root}: no such directory (no CheckpointManager root here): check the path")
     if as_json:
@@ -268,6 +315,12 @@ def _seconds(text: str) -> float:
     return value
 
 
+def _storage_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--storage-option", action="append", metavar="KEY=VALUE",
+                   help=f"a storage option of an s3:// or fsspec URL (repeatable; KEY:=JSON for a JSON value); "
+                   f"over {STORAGE_OPTIONS_ENV} (a JSON object)")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="tensorckpt", description="Inspect, verify and clean tensorckpt checkpoints.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -283,15 +336,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-shard-size", metavar="SIZE", help="safetensors shard size (default 5GB)")
     p.add_argument("--memory-mib", type=int, metavar="MIB", help="bound on tensor data held in memory (default 256)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
+    _storage_flag(p)
     p = sub.add_parser("inspect", help="print the tree, format version and completeness of a checkpoint")
     p.add_argument("path")
+    _storage_flag(p)
     p.add_argument("--json", action="store_true", help="print the root index as JSON")
     p = sub.add_parser("verify", help="check all metadata and read every chunk back (exit 1 if incomplete or corrupt)")
     p.add_argument("path")
+    _storage_flag(p)
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p = sub.add_parser("clean", help="remove leftovers of interrupted saves (never a committed checkpoint)")
     p.add_argument("path")
+    _storage_flag(p)
     p.add_argument("--older-than", type=_seconds, default=DEFAULT_OLDER_THAN, metavar="SECONDS",
                    help=f"remove only leftovers unchanged for this long (default {DEFAULT_OLDER_THAN:g}); "
                    "it must exceed the longest a save can take")
@@ -299,6 +356,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p = sub.add_parser("list", help="list the steps of a CheckpointManager root (committed or incomplete, size)")
     p.add_argument("root")
+    _storage_flag(p)
     p.add_argument("--json", action="store_true", help="print the steps as JSON")
     p = sub.add_parser("validate", help="check a checkpoint against every MUST of the spec (exit 1 on a violation)")
     p.add_argument("path")
@@ -307,15 +365,16 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "validate":
             return validate(args.path, args.json)
-        if args.command == "verify":
-            return verify(args.path, args.json, args.quiet)
-        if args.command == "clean":
-            return clean(args.path, args.older_than, args.dry_run, args.json)
         if args.command == "convert":
             return convert(args)
+        so = storage_options(args.root if args.command == "list" else args.path, args.storage_option)
+        if args.command == "verify":
+            return verify(args.path, args.json, args.quiet, storage_options=so)
+        if args.command == "clean":
+            return clean(args.path, args.older_than, args.dry_run, args.json, storage_options=so)
         if args.command == "list":
-            return list_steps(args.root, args.json)
-        return inspect(args.path, args.json)
+            return list_steps(args.root, args.json, storage_options=so)
+        return inspect(args.path, args.json, storage_options=so)
     except TensorckptError as e:
         print(_safe(f"tensorckpt: error: {e}"), file=sys.stderr)
         return 2

@@ -44,7 +44,6 @@ from __future__ import annotations
 import concurrent.futures
 import errno
 import os
-import posixpath
 import re
 import stat
 import threading
@@ -135,6 +134,8 @@ class CheckpointManager:
     deleted (spec 10.5; like ``tensorckpt clean --older-than``).
     ``process_group``: the group whose ranks save together (default: the
     default group when torch.distributed is initialized).
+    ``storage_options``: of an ``s3://`` or fsspec root, as in
+    :func:`tensorckpt.save`; every step saved, loaded and removed uses them.
     """
 
     def __init__(
@@ -146,6 +147,7 @@ class CheckpointManager:
         reader_grace: float = DEFAULT_READER_GRACE,
         grace: float = DEFAULT_OLDER_THAN,
         process_group: Any = None,
+        storage_options: Mapping[str, Any] | None = None,
     ) -> None:
         for name, v in (("keep_last", keep_last), ("keep_every", keep_every)):
             if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
@@ -153,7 +155,8 @@ class CheckpointManager:
         for name, seconds in (("reader_grace", reader_grace), ("grace", grace)):
             if not (isinstance(seconds, (int, float)) and not isinstance(seconds, bool) and seconds >= 0):
                 raise ValueError(f"CheckpointManager({name}=...) must be a number of seconds >= 0, got {seconds!r}")
-        self.root = location.parse(root)
+        self.root = location.parse(root, storage_options)
+        self._options = self.root.storage_options or None  # passed on with each step's path
         self._fs = backend_for(self.root).supports_rename  # a file system: directories, renames, times
         if self._fs:
             _check_root(self.root)
@@ -183,7 +186,7 @@ class CheckpointManager:
         return self._child(step_name(step))
 
     def _child(self, name: str) -> location.Location:
-        return location.Location(self.root.scheme, posixpath.join(self.root.path, name))
+        return self.root.child(name)
 
     def __repr__(self) -> str:
         return f"CheckpointManager({self.path!r}, keep_last={self.keep_last}, keep_every={self.keep_every})"
@@ -200,7 +203,7 @@ class CheckpointManager:
         self._agree_on_step(step, options.get("overwrite", False))
         self._in_flight[step] = None
         try:
-            _save(state, self.step_path(step), process_group=self.process_group, **options)
+            _save(state, self.step_path(step), process_group=self.process_group, storage_options=self._options, **options)
         finally:
             del self._in_flight[step]
         self._committed(step)
@@ -223,7 +226,7 @@ class CheckpointManager:
         self._in_flight[step] = None
         try:
             handle = _async_save(state, self.step_path(step), process_group=self.process_group,
-                                 on_durable=durable, **options)
+                                 on_durable=durable, storage_options=self._options, **options)
         finally:
             del self._in_flight[step]
         self._in_flight[step] = handle  # in flight until the handle is done
@@ -321,7 +324,7 @@ class CheckpointManager:
                 return None
             try:
                 _load(state, self.step_path(s), process_group=self.process_group, strict=strict, partial=partial,
-                      cast=cast, stats=stats)
+                      cast=cast, stats=stats, storage_options=self._options)
                 return s
             except CheckpointChangedError:  # replaced or retired while read (spec 10.7): read again
                 if attempt == RESTORE_ATTEMPTS - 1:
@@ -390,7 +393,7 @@ class CheckpointManager:
             if superseded is None or now - superseded < self.reader_grace:
                 continue  # a reader may have resolved it as the newest step moments ago
             if entries[s].leftovers:  # a stale or running replace of it: its leftovers first
-                report = _clean_leftovers(self.step_path(s), older_than=self.grace)
+                report = _clean_leftovers(self.step_path(s), older_than=self.grace, storage_options=self._options)
                 if not all(x.removed for x in report.leftovers):
                     continue
             self._retire(s)
@@ -399,7 +402,7 @@ class CheckpointManager:
             if s in busy or s in retired or not (e.leftovers or (e.target and not e.committed)):
                 continue
             # spec 10.5: the grace-period rule; for a kept committed step too (a stale replace's leftovers)
-            _clean_leftovers(self.step_path(s), older_than=self.grace)
+            _clean_leftovers(self.step_path(s), older_than=self.grace, storage_options=self._options)
         for loc in self._retired():
             _remove(loc)  # interrupted retirements: no reader can reach them
         return retired

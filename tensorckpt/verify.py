@@ -22,10 +22,10 @@ import collections
 import contextlib
 import itertools
 import math
-import os
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import tensorstore as ts
@@ -88,10 +88,12 @@ class VerifyReport:
         }
 
 
-def verify(path: str | os.PathLike[str], *, progress: Progress | None = None, block_bytes: int = BLOCK_BYTES) -> VerifyReport:
+def verify(path: location.PathArg, *, progress: Progress | None = None, block_bytes: int = BLOCK_BYTES,
+           storage_options: Mapping[str, Any] | None = None) -> VerifyReport:
     """Check the checkpoint at ``path`` completely; see the module docstring.
-    ``progress(done, total)`` is called as tensor bytes are checked."""
-    loc = location.parse(path)
+    ``progress(done, total)`` is called as tensor bytes are checked;
+    ``storage_options`` as in :func:`tensorckpt.save`."""
+    loc = location.parse(path, storage_options)
     report = VerifyReport(loc.url)
     try:
         ckpt = Checkpoint(loc)

@@ -164,10 +164,13 @@ class AsyncSaver:
         _OPEN.add(self)
 
     def save(self, state: Mapping, path: Any, *, overwrite: bool = False, on_busy: str = "wait",
-             on_durable: Callable[[SaveHandle], None] | None = None, **options: Any) -> SaveHandle:
+             on_durable: Callable[[SaveHandle], None] | None = None, storage_options: Mapping[str, Any] | None = None,
+             **options: Any) -> SaveHandle:
         """Save ``state`` like :func:`async_save` (a collective over this
-        saver's group: every rank calls it)."""
-        return self._save(state, path, overwrite, on_busy, on_durable, None, options)
+        saver's group: every rank calls it). ``storage_options`` belong to
+        each call's path, as in :func:`tensorckpt.save`."""
+        loc = location.parse(path, storage_options)
+        return self._save(state, loc, overwrite, on_busy, on_durable, None, options)
 
     def wait(self, timeout: float | None = None) -> None:
         """Wait for the save in flight, if any; raise its error if it failed."""
@@ -284,6 +287,7 @@ def async_save(
     on_busy: str = "wait",
     on_durable: Callable[[SaveHandle], None] | None = None,
     background_group: Any = None,
+    storage_options: Mapping[str, Any] | None = None,
     **options: Any,
 ) -> SaveHandle:
     """Save ``state`` like :func:`tensorckpt.save`, returning as soon as its
@@ -310,7 +314,8 @@ def async_save(
     saver = _DEFAULT.get(key)
     if saver is None:
         saver = _DEFAULT[key] = AsyncSaver(process_group)
-    return saver._save(state, path, overwrite, on_busy, on_durable, background_group, options)
+    loc = location.parse(path, storage_options)
+    return saver._save(state, loc, overwrite, on_busy, on_durable, background_group, options)
 
 
 def _check_call(on_busy: str, options: Mapping[str, Any]) -> SaveOptions:

@@ -18,7 +18,7 @@ import collections
 import itertools
 import time
 import warnings
-from collections.abc import MutableMapping
+from collections.abc import Mapping, MutableMapping
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -89,6 +89,7 @@ def load(
     partial: bool = False,
     cast: bool = False,
     stats: LoadStats | None = None,
+    storage_options: Mapping[str, Any] | None = None,
 ) -> MutableMapping:
     """Fill ``state`` in place from the checkpoint at ``path`` and return it.
 
@@ -122,7 +123,7 @@ def load(
     """
     t0 = time.perf_counter()
     g = Group(process_group)
-    loc = location.parse(path)
+    loc = location.parse(path, storage_options)
     what = f"load from {loc}"
     if g.distributed and not backend_for(loc).shared:
         raise TensorckptError(f"{loc}: memory:// stores are per process; a distributed load needs a shared file path")

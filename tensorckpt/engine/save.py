@@ -169,7 +169,7 @@ class SaveStats:
 
 def save(
     state: Mapping, path: location.PathArg, *, process_group: Any = None, overwrite: bool = False,
-    stats: SaveStats | None = None, **options: Any
+    stats: SaveStats | None = None, storage_options: Mapping[str, Any] | None = None, **options: Any
 ) -> None:
     """Save ``state`` (a dict of tensors and JSON-able data) to ``path``.
 
@@ -188,10 +188,12 @@ def save(
     ``shard_bytes`` (largest stored object, default 64 MiB),
     ``inner_chunk_bytes`` (unit of partial reads, default 256 KiB). Pass a
     :class:`SaveStats` as ``stats`` to learn what this rank did.
+    ``storage_options`` configure the storage of an ``s3://`` or fsspec URL
+    (endpoint, credentials, ...; see README "Object storage").
     """
     opts = SaveOptions.of(options)
     g = Group(process_group)
-    loc = location.parse(path)
+    loc = location.parse(path, storage_options)
     failed = None
     try:
         state = registry.for_save(state, registry.Context(state, g.rank, g.size))

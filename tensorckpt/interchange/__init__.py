@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import os
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -45,10 +45,9 @@ OPTIONS = ("to_format", "only", "strip_prefix", "add_prefix", "max_shard_size", 
            "shard_bytes", "inner_chunk_bytes", "metadata")
 
 
-def detect(src: str | os.PathLike[str]) -> str:
+def detect(src: location.PathArg) -> str:
     """The format of what is at ``src``."""
-    text = os.fspath(src) if not isinstance(src, str) else src
-    loc = location.parse(text)
+    loc = location.parse(src)
     if not backend_for(loc).supports_rename:  # an object store holds only tensorckpt checkpoints
         return "tensorckpt"
     path = loc.path
@@ -76,6 +75,14 @@ def detect(src: str | os.PathLike[str]) -> str:
     raise TensorckptError(f"{src}: nothing there")
 
 
+def _with_options(path: Any, storage_options: Mapping[str, Any] | None) -> Any:
+    """``path`` as a location with ``storage_options`` where it takes options; else as given."""
+    if not storage_options:
+        return path
+    loc = location.parse(path)
+    return location.parse(loc, storage_options) if location.takes_options(loc) else path
+
+
 def _dst_format(dst: str | os.PathLike[str]) -> str:
     d = os.fspath(dst) if not isinstance(dst, str) else dst
     if d.endswith(".safetensors"):
@@ -85,13 +92,12 @@ def _dst_format(dst: str | os.PathLike[str]) -> str:
     return "tensorckpt"
 
 
-def open_source(src: str | os.PathLike[str], fmt: str) -> core.Source:
-    path = os.fspath(src) if not isinstance(src, str) else src
+def open_source(src: location.PathArg, fmt: str) -> core.Source:
     if fmt == "tensorckpt":
         from .native import CheckpointSource
 
         return CheckpointSource(src)
-    path = location.parse(path).path
+    path = location.parse(src).path
     if fmt == "dcp":
         from .dcp import DCPSource
 
@@ -115,6 +121,7 @@ def convert(
     rename: Callable[[str], str | None] | None = None,
     dtype: torch.dtype | str | None = None,
     progress: bool | None = None,
+    storage_options: Mapping[str, Any] | None = None,
     **options: Any,
 ) -> core.ImportReport | list[str] | None:
     """Convert the checkpoint at ``src`` into ``dst`` (module docstring).
@@ -131,11 +138,14 @@ def convert(
     the checkpoint's metadata beside ``converted_from``: source format and path).
     Returns an :class:`~tensorckpt.interchange.core.ImportReport` for a
     tensorckpt destination, the file names for safetensors.
+    ``storage_options`` (as in :func:`tensorckpt.save`) apply to ``src`` and
+    ``dst`` where they are ``s3://`` or fsspec URLs (a local side takes none).
     """
     unknown = sorted(set(options) - set(OPTIONS))
     if unknown:
         raise TypeError(f"convert() got unknown options {unknown}; known: {list(OPTIONS)}")
     to = options.pop("to_format", None) or _dst_format(dst)
+    src, dst = _with_options(src, storage_options), _with_options(dst, storage_options)
     fmt = src_format or detect(src)
     for f in (fmt, to):
         if f not in FORMATS:
@@ -153,7 +163,7 @@ def convert(
             raise TensorckptError(f"dtype={dtype!r} is not a torch dtype (e.g. bfloat16, float16)")
         dtype = cast
     memory = options.pop("memory_bytes", None) or core.DEFAULT_MEMORY_BYTES
-    dloc = location.parse(os.fspath(dst) if not isinstance(dst, str) else dst)
+    dloc = location.parse(dst)
     if kv.exists(dloc):  # checked before the source is read; the commit checks again
         raise CheckpointExistsError(f"{dst}: already exists; convert writes a new destination: remove it or choose another")
     with open_source(src, fmt) as source:
@@ -164,7 +174,7 @@ def convert(
                                          metadata={"converted_from": {"format": fmt, "path": str(src)},
                                                    **(options.get("metadata") or {})})
         tensors, values = core.select(source, sel)
-        out = location.parse(os.fspath(dst)).path
+        out = location.parse(dst).path
         if to == "safetensors":
             from . import safetensors
 

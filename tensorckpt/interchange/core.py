@@ -32,7 +32,6 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import math
-import os
 import sys
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -285,7 +284,7 @@ class ImportReport:
 
 def write_tensorckpt(
     source: Source,
-    dst: str | os.PathLike[str],
+    dst: location.PathArg,
     *,
     sel: Selection,
     dtype: torch.dtype | None = None,

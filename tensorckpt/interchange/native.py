@@ -25,13 +25,14 @@ import torch
 from ..checkpoint import Checkpoint
 from ..errors import CheckpointExistsError, TensorckptError, UnsupportedValueError
 from ..format.keys import split_flat_key
+from ..storage.location import PathArg
 from .core import Path, Progress, Source, SourceTensor, read_cast
 
 
 class CheckpointSource(Source):
     """A committed tensorckpt checkpoint."""
 
-    def __init__(self, path: str | os.PathLike[str]) -> None:
+    def __init__(self, path: PathArg) -> None:
         self.ckpt = Checkpoint(path)
         self.description = self.ckpt.path
         idx = self.ckpt.index

@@ -20,6 +20,10 @@ Who calls what, in which order:
 - ``clean`` and the manager: :meth:`Backend.names`, :meth:`Backend.age`,
   :meth:`Backend.exists` and the strategy's ``leftovers`` / ``remove``.
 
+The backends: :mod:`.local` (``file``), :mod:`.tskv` (``memory``, ``s3``:
+TensorStore kvstores) and :mod:`.fsspec` (``fsspec``: every other file
+system, with its own object I/O, ``kvstore`` False).
+
 Backends differ by capability flags, never by scheme tests at call sites (as
 zarr-python's ``Store``). Adding a kind of storage is one class here or in a
 module of its own, and one line in :data:`_REGISTRY`.
@@ -50,6 +54,11 @@ class Backend(Protocol):
     @property
     def fast_chunks(self) -> bool:
         """:meth:`chunk_writer` / :meth:`chunk_reader` give tensorckpt's own codec (``direct.py``)."""
+    @property
+    def kvstore(self) -> bool:
+        """TensorStore opens the location's kvstore spec; False: the backend
+        does its own object I/O (``get``, ``create``, ``write_many``,
+        ``copy_all`` besides the methods here; :mod:`.kv` asks it)."""
     @property
     def shared(self) -> bool:
         """Other processes see the same objects (a distributed job can use it)."""
@@ -98,6 +107,7 @@ _REGISTRY: dict[str, tuple[str, str]] = {
     "file": ("local", "LocalFileSystem"),
     "memory": ("tskv", "MemoryStore"),
     "s3": ("tskv", "S3Store"),
+    "fsspec": ("fsspec", "FsspecStore"),
 }
 _BACKENDS: dict[str, Backend] = {}
 

@@ -24,6 +24,13 @@ next ones and the save's sync pass (``kv.sync_files``) has only their
 directories left. The bytes are TensorStore's (tests/test_direct.py
 compares them).
 
+The I/O is one small interface, :class:`Objects` (whole-object writes,
+a stored object's size, ranged reads), so the same Writer / Pool / Reader
+logic runs over any storage: :class:`LocalObjects` (the default for a
+path: the fd / ``pread`` / ``preadv`` / ``os.write`` code described above)
+and :class:`tensorckpt.storage.fsspec.FsspecObjects` (``pipe_file``,
+``info``, ``cat_ranges``: every inner-chunk run one object needs in one call).
+
 Nothing here trusts the stored object: its size, the index CRC, every
 index entry (offset, length == the inner chunk's encoded size, inside the
 object's data region, no two overlapping) are checked before a
@@ -39,9 +46,9 @@ import os
 import stat
 import sys
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -73,16 +80,107 @@ def usable(entry: TensorEntry) -> bool:
     return g.index_bytes <= MAX_INDEX_BYTES and g.encoded <= MAX_INNER_BYTES
 
 
-class Writer:
-    """Writes whole stored objects of a local checkpoint on ``threads``
-    threads, each with its own reused buffer. :meth:`write` returns a
-    future, done once the object is written and fsynced; :meth:`close` waits
-    for every write it started."""
+class Stored(Protocol):
+    """One stored object opened for reading."""
 
-    def __init__(self, root: str, threads: int | None = None):
+    size: int
+
+    def pread(self, n: int, offset: int) -> bytes:
+        """``n`` bytes from ``offset`` (fewer at the end)."""
+    def fill(self, runs: list[tuple[int, int]], view: memoryview) -> Iterator[int]:
+        """For each ``(offset, nbytes)`` of ``runs`` in turn: read them into
+        ``view[:nbytes]`` and yield how many bytes were read (the view is
+        overwritten by the next one)."""
+    def close(self) -> None: ...
+
+
+class Objects(Protocol):
+    """The stored objects under one checkpoint's root, by key relative to it."""
+
+    def put(self, rel: str, pieces: Iterator[memoryview]) -> None:
+        """Store the object ``rel`` made of ``pieces`` (each valid until the
+        next is asked for), durable on return."""
+    def open(self, rel: str, where: str) -> Stored:
+        """Open ``rel`` for reading; a missing, unreadable or not plain
+        object raises the :class:`CorruptCheckpointError` (or
+        :class:`CheckpointPermissionError`) naming ``where``."""
+
+
+class LocalObjects:
+    """Objects as regular files under a local directory: written with
+    ``os.write`` and fsynced, read with ``pread`` / ``preadv``, opened
+    ``O_NOFOLLOW | O_NONBLOCK``."""
+
+    def __init__(self, root: str) -> None:
         self.root = root
-        self._local = threading.local()
         self._made: set[str] = set()  # directories known to exist
+
+    def put(self, rel: str, pieces: Iterator[memoryview]) -> None:
+        path = os.path.join(self.root, rel)
+        parent = os.path.dirname(path)
+        if parent not in self._made:
+            os.makedirs(parent, exist_ok=True)
+            self._made.add(parent)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC | os.O_NOFOLLOW, 0o644)
+        try:
+            for piece in pieces:
+                _write_all(fd, piece)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    def open(self, rel: str, where: str) -> LocalFile:
+        try:
+            fd = os.open(os.path.join(self.root, rel), os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+        except FileNotFoundError:
+            raise CorruptCheckpointError(f"{where}, is missing") from None
+        except PermissionError:
+            raise CheckpointPermissionError(
+                f"{where}, cannot be read: permission denied (the file exists; fix its permissions, or read as its owner)"
+            ) from None
+        except OSError as err:
+            raise CorruptCheckpointError(f"{where}, cannot be opened ({err.strerror}; a link or unreadable file)") from None
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                raise CorruptCheckpointError(f"{where}, is not a regular file (a writer makes only regular files)")
+        except BaseException:
+            os.close(fd)
+            raise
+        return LocalFile(fd, st.st_size)
+
+
+class LocalFile:
+    """An open regular file (see :class:`Stored`)."""
+
+    def __init__(self, fd: int, size: int) -> None:
+        self.fd, self.size = fd, size
+
+    def pread(self, n: int, offset: int) -> bytes:
+        return os.pread(self.fd, n, offset)
+
+    def fill(self, runs: list[tuple[int, int]], view: memoryview) -> Iterator[int]:
+        for offset, nbytes in runs:
+            yield os.preadv(self.fd, [view[:nbytes]], offset)
+
+    def close(self) -> None:
+        os.close(self.fd)
+
+
+def objects_of(root: str | Objects) -> Objects:
+    return LocalObjects(root) if isinstance(root, str) else root
+
+
+class Writer:
+    """Writes whole stored objects of a checkpoint (``root``: a local
+    directory, or any :class:`Objects`) on ``threads`` threads, each with
+    its own reused buffer. :meth:`write` returns a future, done once the
+    object is written and durable; :meth:`close` waits for every write it
+    started."""
+
+    def __init__(self, root: str | Objects, threads: int | None = None):
+        self.objects = objects_of(root)
+        self._local = threading.local()
         self._pool = ThreadPoolExecutor(max(1, threads or WRITE_THREADS), thread_name_prefix="tensorckpt-write")
 
     def close(self) -> None:
@@ -100,18 +198,7 @@ class Writer:
         buf = getattr(self._local, "buf", None)
         if buf is None or len(buf) < size:
             buf = self._local.buf = np.empty(size, np.uint8)
-        path = os.path.join(self.root, key, chunk_key(pos))
-        parent = os.path.dirname(path)
-        if parent not in self._made:
-            os.makedirs(parent, exist_ok=True)
-            self._made.add(parent)
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC | os.O_NOFOLLOW, 0o644)
-        try:
-            for piece in codec.encode(g, data, buf):
-                _write_all(fd, piece)
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        self.objects.put(f"{key}/{chunk_key(pos)}", codec.encode(g, data, buf))
 
 
 def _submit(pool: ThreadPoolExecutor, fn: Callable[..., Any], *args: Any) -> Future:
@@ -134,12 +221,13 @@ def _write_all(fd: int, view: memoryview) -> None:
 
 
 class Pool:
-    """Reads boxes of a local checkpoint's tensors on ``threads`` threads,
-    each with its own reused buffer. Use as a context manager; on leaving,
-    reads not started are cancelled and running ones finish."""
+    """Reads boxes of a checkpoint's tensors (``root``: a local directory,
+    or any :class:`Objects`) on ``threads`` threads, each with its own
+    reused buffer. Use as a context manager; on leaving, reads not started
+    are cancelled and running ones finish."""
 
-    def __init__(self, root: str, url: str, threads: int | None = None):
-        self.root, self.url = root, url
+    def __init__(self, root: str | Objects, url: str, threads: int | None = None):
+        self.objects, self.url = objects_of(root), url
         self._local = threading.local()
         self._pool = ThreadPoolExecutor(max(1, threads or THREADS), thread_name_prefix="tensorckpt-read")
 
@@ -162,16 +250,16 @@ class Pool:
     def _run(self, *job: Any) -> None:
         reader = getattr(self._local, "reader", None)
         if reader is None:
-            reader = self._local.reader = Reader(self.root, self.url)
+            reader = self._local.reader = Reader(self.objects, self.url)
         reader.read_object(*job)
 
 
 class Reader:
-    """Reads stored objects of a local checkpoint; holds one reused buffer
-    (one Reader per thread)."""
+    """Reads stored objects of a checkpoint (``root``: a local directory, or
+    any :class:`Objects`); holds one reused buffer (one Reader per thread)."""
 
-    def __init__(self, root: str, url: str):
-        self.root, self.url = root, url
+    def __init__(self, root: str | Objects, url: str):
+        self.objects, self.url = objects_of(root), url
         self._buf = np.empty(0, np.uint8)
 
     def read(self, key: str, entry: TensorEntry, want: Box, dst: np.ndarray) -> None:
@@ -187,48 +275,36 @@ class Reader:
         rel = f"{key}/{chunk_key(pos)}"
         where = f"{self.url}/{rel}: tensor {key!r}, chunk {pos}"
         g = codec.geometry(e)
+        obj = self.objects.open(rel, where)
         try:
-            fd = os.open(os.path.join(self.root, rel), os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
-        except FileNotFoundError:
-            raise CorruptCheckpointError(f"{where}, is missing") from None
-        except PermissionError:
-            raise CheckpointPermissionError(
-                f"{where}, cannot be read: permission denied (the file exists; fix its permissions, or read as its owner)"
-            ) from None
-        except OSError as err:
-            raise CorruptCheckpointError(f"{where}, cannot be opened ({err.strerror}; a link or unreadable file)") from None
-        try:
-            st = os.fstat(fd)
-            if not stat.S_ISREG(st.st_mode):
-                raise CorruptCheckpointError(f"{where}, is not a regular file (a writer makes only regular files)")
             most = g.bounds(pos)[1]
-            if st.st_size > most:
+            if obj.size > most:
                 raise CorruptCheckpointError(
-                    f"{where}, is {st.st_size} bytes, more than its inner chunks and index can take ({most}): "
+                    f"{where}, is {obj.size} bytes, more than its inner chunks and index can take ({most}): "
                     "it is damaged or forged"
                 )
-            data_end = st.st_size - g.index_bytes
+            data_end = obj.size - g.index_bytes
             if data_end < 0:
                 raise CorruptCheckpointError(
-                    f"{where}, is malformed (truncated or damaged): {st.st_size} bytes, "
+                    f"{where}, is malformed (truncated or damaged): {obj.size} bytes, "
                     f"shorter than its shard index ({g.index_bytes} bytes)"
                 )
-            index = codec.decode_index(g, os.pread(fd, g.index_bytes, data_end), where)
+            index = codec.decode_index(g, obj.pread(g.index_bytes, data_end), where)
             per_buf = max(1, BUFFER_BYTES // g.encoded)
-            self._read_inner(fd, codec.plan_reads(g, index, data_end, pos, want, per_buf, where), dst)
+            self._read_inner(obj, codec.plan_reads(g, index, data_end, pos, want, per_buf, where), dst)
         finally:
-            os.close(fd)
+            obj.close()
 
-    def _read_inner(self, fd: int, reads: codec.Reads, dst: np.ndarray) -> None:
+    def _read_inner(self, obj: Stored, reads: codec.Reads, dst: np.ndarray) -> None:
         """Read, check and copy into ``dst`` the inner chunks ``reads`` names."""
         g = reads.geometry
         if len(self._buf) < reads.most:
             self._buf = np.empty(reads.most, np.uint8)
         buf, addr, view = self._buf, self._buf.ctypes.data, self._buf.data
         check, src, to, encoded = reads.check, reads.src, reads.dst, g.encoded
-        for first, a, b in reads.runs:
+        spans = [(first, (b - a) * encoded) for first, a, b in reads.runs]
+        for (_, a, b), got in zip(reads.runs, obj.fill(spans, view), strict=True):
             nbytes = (b - a) * encoded
-            got = os.preadv(fd, [view[:nbytes]], first)
             if got != nbytes:
                 raise reads.short(got, nbytes)
             for k in range(a, b):

@@ -44,6 +44,13 @@ def result(loc: Location, future: ts.Future, doing: str) -> Any:
             "(AWS_ENDPOINT_URL_S3 / AWS_ENDPOINT_URL) is reachable, or raise TENSORCKPT_S3_TIMEOUT") from None
 
 
+def _own(loc: Location) -> Any:
+    """The backend of ``loc`` where it does its own object I/O (no TensorStore
+    driver: fsspec), else None."""
+    b = backend_for(loc)
+    return None if b.kvstore else b
+
+
 def open_store(loc: Location, sub: str = "") -> ts.KvStore:
     """The TensorStore kvstore of ``loc`` (or of ``sub`` inside it)."""
     return result(loc, ts.KvStore.open(loc.kvstore(sub), context=CONTEXT), "opening the store")
@@ -51,6 +58,8 @@ def open_store(loc: Location, sub: str = "") -> ts.KvStore:
 
 def read(loc: Location, key: str) -> bytes | None:
     """The object's bytes, or None if it does not exist."""
+    if (own := _own(loc)) is not None:
+        return own.get(loc, key)
     r = result(loc, open_store(loc).read(key), f"reading {key}")
     return r.value if r.state == "value" else None
 
@@ -58,6 +67,8 @@ def read(loc: Location, key: str) -> bytes | None:
 def read_range(loc: Location, key: str, start: int, length: int) -> bytes | None:
     """``length`` bytes of ``key`` from ``start`` (fewer at its end) by a
     byte-range request; None if absent."""
+    if (own := _own(loc)) is not None:
+        return own.read_range(loc, key, start, length)
     store = open_store(loc)
     try:
         r = result(loc, store.read(key, byte_range=slice(start, start + length)), f"reading {key}")
@@ -74,17 +85,23 @@ def read_range(loc: Location, key: str, start: int, length: int) -> bytes | None
 
 
 def write(loc: Location, key: str, data: bytes) -> None:
+    if (own := _own(loc)) is not None:
+        return own.write(loc, key, data)
     result(loc, open_store(loc).write(key, data), f"writing {key}")
 
 
 def create(loc: Location, key: str, data: bytes) -> bool:
     """Write ``key`` only if it does not exist (S3: ``If-None-Match: *``);
     False: it existed, nothing was written."""
+    if (own := _own(loc)) is not None:
+        return own.create(loc, key, data)
     stamp = result(loc, open_store(loc).write(key, data, if_equal=NO_VALUE), f"creating {key}")
     return bool(stamp.generation)
 
 
 def delete(loc: Location, key: str) -> None:
+    if (own := _own(loc)) is not None:
+        return own.delete(loc, key)
     result(loc, open_store(loc).delete_range(ts.KvStore.KeyRange(key, key + "\0")), f"deleting {key}")
 
 
@@ -116,6 +133,8 @@ def ts_delete_all(loc: Location) -> None:
 
 def copy_all(src: Location, dst: Location, skip: tuple[str, ...] = ()) -> None:
     """Copy every object under ``src`` to ``dst`` (object stores have no rename)."""
+    if (own := _own(src)) is not None:
+        return own.copy_all(src, dst, skip)
     s, d = open_store(src), open_store(dst)
     futures = []
     for key in list_keys(src):
@@ -199,6 +218,8 @@ def write_many_async(loc: Location, objects: dict[str, bytes]) -> Callable[[], N
     """Start writing several small objects; returns a function that waits."""
     if not objects:
         return lambda: None
+    if (own := _own(loc)) is not None:
+        return own.write_many(loc, objects)
     store = open_store(loc)
     futures = [store.write(k, v) for k, v in objects.items()]
 

@@ -27,6 +27,7 @@ class LocalFileSystem:
     supports_rename = True
     timeout = None
     records_times = True
+    kvstore = True
     shared = True
     commit = AtomicRenameCommit()
 

@@ -167,6 +167,9 @@ def read_local(top: int | str, key: str, limit: int, where: str) -> bytes | None
 
 
 def read_remote(loc: Location, key: str, limit: int, where: str) -> tuple[object, bytes | None]:
+    b = backend_for(loc)
+    if not b.kvstore:  # no TensorStore driver: the backend reads it (fsspec)
+        return b.read(loc, key, limit, where)
     store = kv.result(loc, ts.KvStore.open(loc.kvstore(), context=location.CONTEXT), "opening the store")
     r = kv.result(loc, store.read(key), f"reading {key}")  # memory:// holds it in memory already; the cap still refuses it
     if r.state != "value":

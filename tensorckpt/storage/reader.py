@@ -195,7 +195,7 @@ class StoredArrays:
         the first that does not. Each array is checked once."""
         self._check_open()
         todo = [k for k in keys if k not in self._checked]
-        remote = todo and not self._fs
+        remote = todo and not self._fs and self._backend.kvstore
         store = ts.KvStore.open(self._read.kvstore(), context=location.CONTEXT).result() if remote else None
         reads = {k: _start_read(self._read, store, f"{k}/zarr.json") for k in todo}
         for k, pending in reads.items():

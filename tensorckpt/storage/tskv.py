@@ -35,6 +35,7 @@ class KvStore:
     supports_rename = False
     records_times = False
     fast_chunks = False
+    kvstore = True
     shared = True
     commit = RootLastCommit()
 
@@ -61,7 +62,7 @@ class KvStore:
         return bool(self.list(loc, limit=1))
 
     def sizes(self, loc: Location, prefix: str) -> Iterator[tuple[str, int | None]]:
-        sub = Location(loc.scheme, f"{loc.path}/{prefix}")
+        sub = loc.child(prefix)
         for name in self.list(sub):
             data = kv.read(sub, name)
             if data is not None:
@@ -141,7 +142,7 @@ class S3Store(KvStore):
         TensorStore, but refuses a range past an object's end naming its
         ``ActualObjectSize``; one small request per object, all at once.
         Where the answer names none (another server), the object is read."""
-        sub = Location(loc.scheme, f"{loc.path}/{prefix}")
+        sub = loc.child(prefix)
         names = self.list(sub)
         if not names:
             return
@@ -174,5 +175,6 @@ def s3_error(loc: Location, e: ValueError, doing: str) -> TensorckptError:
                                "create it, or check the URL and AWS_ENDPOINT_URL_S3 / AWS_ENDPOINT_URL")
     if any(s in msg for s in ("AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch", "http_response_code='403'")):
         return TensorckptError(f"{loc}: {doing} failed: access denied by {at}; check the credentials "
-                               "(AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY / AWS_SESSION_TOKEN, or AWS_PROFILE)")
+                               "(AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY / AWS_SESSION_TOKEN, or AWS_PROFILE; "
+                               "storage_options key / secret / token / profile override them)")
     return TensorckptError(f"{loc}: {doing} failed at {at}: {msg.split(' [http_response_body=')[0]}")
