@@ -7,6 +7,11 @@ before it trusts one from elsewhere (spec section 12).
   stores), its size lies within what its inner chunks and index take, and it
   decodes with correct CRC-32C checksums (read like ``load`` reads: by
   :mod:`tensorckpt.storage.direct` on local files, else TensorStore).
+- Since format 1.3 (spec 7.1, 9.8), position and version: the root's
+  checksum (on open), each array ``zarr.json``'s digest as the root records
+  it and its checkpoint id, and every chunk's digest as its array records it
+  (:func:`_check_digest`: a chunk in the wrong place, or from another
+  checkpoint, has intact CRC-32Cs but not its place's digest).
 
 Memory stays bounded: a chunk is read in blocks of at most ``block_bytes``
 cut along its inner chunks, a few blocks at a time. The work follows what is
@@ -40,7 +45,7 @@ from .errors import (
 )
 from .format.metadata import loads
 from .layout.boxes import Box
-from .storage import arrays, direct, location
+from .storage import arrays, codec, direct, location
 from .storage.backend import backend_for
 from .storage.reader import StoredArrays, chunk_error, read_object
 
@@ -207,6 +212,40 @@ def _check_tensor(ckpt: StoredArrays, key: str, report: VerifyReport, tick: Call
                 settle(pending.popleft())
     while pending:
         settle(pending.popleft())
+    digests = ckpt.chunk_digests(key)
+    if digests is None:
+        return  # before format 1.3
+    for pos in sorted(stored):
+        size, (need, most) = stored[pos], arrays.object_bytes_bounds(e, pos)
+        if pos not in failed and size is not None and need <= size <= most:
+            _check_digest(ckpt, key, pos, size, digests, report)
+
+
+def _check_digest(ckpt: StoredArrays, key: str, pos: tuple[int, ...], size: int, digests: list[str],
+                  report: VerifyReport) -> None:
+    """Compare the digest of chunk ``pos`` (its data already read intact) with
+    the one its array records for that place (spec 7.1): from its index and
+    the stored CRC-32C of each inner chunk."""
+    e = ckpt.index.tensors[key]
+    obj = _object(f"{ckpt.path}/{key}", pos)
+    g = codec.geometry(e)
+    raw = backend_for(ckpt.location).read_range(ckpt.read_location, f"{key}/{arrays.chunk_key(pos)}", 0, size)
+    where = f"{obj}: tensor {key!r}, chunk {pos}"
+    try:
+        if raw is None or len(raw) != size:
+            raise CorruptCheckpointError(f"{where}, changed while it was verified")
+        index = codec.decode_index(g, raw[size - g.index_bytes:], where)
+        crcs = b"".join(raw[at:at + 4] for _, at in codec.stored_crcs(g, index, pos))
+        grid = [-(-s // c) for s, c in zip(e.shape, e.chunk_shape)]
+        want = digests[int(np.ravel_multi_index(pos, grid))] if grid else digests[0]
+        if codec.digest_of_crcs(crcs) != want:
+            raise CorruptCheckpointError(
+                f"{where}, does not have the digest its array records for this place: its inner chunks are intact "
+                "but belong elsewhere (a chunk swapped or replayed from another tensor, position or checkpoint, "
+                "or its inner chunks reordered)"
+            )
+    except CorruptCheckpointError as err:
+        report.problems.append(Problem("corrupt", obj, str(err)))
 
 
 def _report_missing(key: str, where: str, grid: list[int], stored: dict, report: VerifyReport) -> None:
