@@ -218,27 +218,40 @@ def _check_tensor(ckpt: StoredArrays, key: str, report: VerifyReport, tick: Call
     for pos in sorted(stored):
         size, (need, most) = stored[pos], arrays.object_bytes_bounds(e, pos)
         if pos not in failed and size is not None and need <= size <= most:
-            _check_digest(ckpt, key, pos, size, digests, report)
+            _check_digest(ckpt, key, pos, size, digests, report, block_bytes)
 
 
 def _check_digest(ckpt: StoredArrays, key: str, pos: tuple[int, ...], size: int, digests: list[str],
-                  report: VerifyReport) -> None:
+                  report: VerifyReport, block_bytes: int) -> None:
     """Compare the digest of chunk ``pos`` (its data already read intact) with
     the one its array records for that place (spec 7.1): from its index and
-    the stored CRC-32C of each inner chunk."""
+    the stored CRC-32C of each inner chunk, read in spans of at most
+    ``block_bytes``."""
     e = ckpt.index.tensors[key]
     obj = _object(f"{ckpt.path}/{key}", pos)
     g = codec.geometry(e)
-    raw = backend_for(ckpt.location).read_range(ckpt.read_location, f"{key}/{arrays.chunk_key(pos)}", 0, size)
+    backend, name = backend_for(ckpt.location), f"{key}/{arrays.chunk_key(pos)}"
     where = f"{obj}: tensor {key!r}, chunk {pos}"
-    try:
-        if raw is None or len(raw) != size:
+
+    def read(start: int, length: int) -> bytes:
+        raw = backend.read_range(ckpt.read_location, name, start, length)
+        if raw is None or len(raw) != length:
             raise CorruptCheckpointError(f"{where}, changed while it was verified")
-        index = codec.decode_index(g, raw[size - g.index_bytes:], where)
-        crcs = b"".join(raw[at:at + 4] for _, at in codec.stored_crcs(g, index, pos))
+        return raw
+
+    try:
+        index = codec.decode_index(g, read(size - g.index_bytes, g.index_bytes), where)
+        places = [at for _, at in codec.stored_crcs(g, index, pos)]
+        crcs, span = {}, sorted(places)
+        while span:
+            first = span[0]
+            group = [at for at in span if at + 4 - first <= max(block_bytes, 4)]
+            raw = read(first, group[-1] + 4 - first)
+            crcs.update({at: raw[at - first:at - first + 4] for at in group})
+            span = span[len(group):]
         grid = [-(-s // c) for s, c in zip(e.shape, e.chunk_shape)]
         want = digests[int(np.ravel_multi_index(pos, grid))] if grid else digests[0]
-        if codec.digest_of_crcs(crcs) != want:
+        if codec.digest_of_crcs(b"".join(crcs[at] for at in places)) != want:
             raise CorruptCheckpointError(
                 f"{where}, does not have the digest its array records for this place: its inner chunks are intact "
                 "but belong elsewhere (a chunk swapped or replayed from another tensor, position or checkpoint, "

@@ -208,9 +208,9 @@ class StoredArrays:
                 raise CorruptCheckpointError(f"{where}: cannot be read ({short(e)})") from None
             if data is None:
                 raise CorruptCheckpointError(f"{where}: missing; the index lists tensor {k!r} but its array metadata is not stored")
-            self._check_digest(k, data, where)
             doc = loads(data, where)
-            check_array_metadata(doc, self._meta.tensors[k], where)
+            check_array_metadata(doc, self._meta.tensors[k], where)  # what is malformed, named first
+            self._check_digest(k, data, where)
             if self._meta.checkpoint_id:
                 self._digests[k] = chunk_digests(doc, self._meta.tensors[k], self._meta.checkpoint_id, where)
             self._checked.add(k)

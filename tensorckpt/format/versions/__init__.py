@@ -79,6 +79,7 @@ def read_root(doc: object, where: str, raw: bytes | None = None) -> RootMetadata
             f"{where}: a Zarr group, but not a tensorckpt checkpoint (no attributes.{ATTRIBUTE})"
         )
     meta = _obj(attrs[ATTRIBUTE], f"{where}: attributes.{ATTRIBUTE}")
+    root = reader_for(meta.get("format_version"), where).read(meta, where)  # what is malformed, named first
     if raw is not None and "checksum" in meta:
         check_seal(raw, meta["checksum"], where)
-    return reader_for(meta.get("format_version"), where).read(meta, where)
+    return root
