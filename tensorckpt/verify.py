@@ -71,6 +71,7 @@ class VerifyReport:
     tensors: int = 0  # tensors whose metadata and chunks were checked
     chunks: int = 0  # stored chunks checked
     bytes: int = 0  # bytes of tensor data read back intact
+    digests: int | None = None  # chunk digests that matched their place (spec 7.1); None: none stored (before 1.3)
     problems: list[Problem] = field(default_factory=list)
 
     @property
@@ -88,7 +89,7 @@ class VerifyReport:
     def to_json(self) -> dict:
         return {
             "path": self.path, "ok": self.ok, "status": self.status,
-            "tensors": self.tensors, "chunks": self.chunks, "bytes": self.bytes,
+            "tensors": self.tensors, "chunks": self.chunks, "bytes": self.bytes, "digests": self.digests,
             "problems": [{"kind": p.kind, "where": p.where, "message": p.message} for p in self.problems],
         }
 
@@ -107,6 +108,8 @@ def verify(path: str | os.PathLike[str], *, progress: Progress | None = None, bl
         report.problems.append(Problem("corrupt", f"{loc.url}/zarr.json", str(e)))
         return report
     _check_groups(ckpt, report)
+    if ckpt.index.checkpoint_id:
+        report.digests = 0
     total = sum(e.nbytes for e in ckpt.index.tensors.values())
 
     def tick() -> None:
@@ -217,16 +220,18 @@ def _check_tensor(ckpt: StoredArrays, key: str, report: VerifyReport, tick: Call
         return  # before format 1.3
     for pos in sorted(stored):
         size, (need, most) = stored[pos], arrays.object_bytes_bounds(e, pos)
-        if pos not in failed and size is not None and need <= size <= most:
-            _check_digest(ckpt, key, pos, size, digests, report, block_bytes)
+        if pos in failed or size is None or not need <= size <= most:
+            continue  # reported above
+        if _check_digest(ckpt, key, pos, size, digests, report, block_bytes):
+            report.digests = (report.digests or 0) + 1
 
 
 def _check_digest(ckpt: StoredArrays, key: str, pos: tuple[int, ...], size: int, digests: list[str],
-                  report: VerifyReport, block_bytes: int) -> None:
+                  report: VerifyReport, block_bytes: int) -> bool:
     """Compare the digest of chunk ``pos`` (its data already read intact) with
     the one its array records for that place (spec 7.1): from its index and
     the stored CRC-32C of each inner chunk, read in spans of at most
-    ``block_bytes``."""
+    ``block_bytes``. Returns whether it matched."""
     e = ckpt.index.tensors[key]
     obj = _object(f"{ckpt.path}/{key}", pos)
     g = codec.geometry(e)
@@ -259,6 +264,8 @@ def _check_digest(ckpt: StoredArrays, key: str, pos: tuple[int, ...], size: int,
             )
     except CorruptCheckpointError as err:
         report.problems.append(Problem("corrupt", obj, str(err)))
+        return False
+    return True
 
 
 def _report_missing(key: str, where: str, grid: list[int], stored: dict, report: VerifyReport) -> None:

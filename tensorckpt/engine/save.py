@@ -50,6 +50,7 @@ from ..errors import TensorckptError, UnsupportedValueError
 from ..format import dtypes
 from ..format.arrays import array_json, chunk_count
 from ..format.metadata import (
+    MAX_NODE_JSON_BYTES,
     RootMetadata,
     SaveStatsRecord,
     TensorEntry,
@@ -140,7 +141,7 @@ class RankResult(NamedTuple):
 
     seconds: dict[str, float]
     bytes_written: int
-    digests: Digests = {}
+    digests: Digests | None = None
 
 
 def stats_record(results: list[RankResult]) -> SaveStatsRecord:
@@ -281,7 +282,7 @@ def run(state: Mapping, loc: location.Location, g: Group, overwrite: bool, optio
     def finish(results: list[RankResult]) -> None:
         digests: Digests = {}
         for r in results:
-            for key, of_key in r.digests.items():
+            for key, of_key in (r.digests or {}).items():
                 digests.setdefault(key, {}).update(of_key)
         commit.finish(c, seal(c.write_to, replace(meta, save_stats=stats_record(results)), digests))
 
@@ -528,7 +529,12 @@ def seal(loc: location.Location, meta: RootMetadata, digests: Digests) -> bytes:
         lacking = [pos for pos in order if pos not in of_key]
         if lacking:
             raise TensorckptError(f"{loc}: tensor {key!r}: no writer reported chunk {lacking[0]} (a bug; nothing committed)")
-        docs[f"{key}/zarr.json"] = array_json(e, meta.checkpoint_id, [of_key[pos] for pos in order])
+        docs[f"{key}/zarr.json"] = doc = array_json(e, meta.checkpoint_id, [of_key[pos] for pos in order])
+        if len(doc) > MAX_NODE_JSON_BYTES:  # ~250,000 chunks (spec 9.8): a larger tensor needs larger chunks
+            raise TensorckptError(
+                f"{loc}: tensor {key!r} has {len(order)} chunks, whose digests make its zarr.json larger than "
+                f"readers accept ({MAX_NODE_JSON_BYTES} bytes, spec 12); save it with a larger shard_bytes"
+            )
     kv.write_many_async(loc, docs)()
     try:
         backend_for(loc).sync(loc, set(docs))

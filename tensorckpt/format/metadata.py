@@ -22,9 +22,9 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
+import math
 import re
 import secrets
-import math
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any, NoReturn, TypedDict, cast

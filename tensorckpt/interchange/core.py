@@ -333,7 +333,8 @@ def write_tensorckpt(
     try:
         # batch k is written (by the engine, in a thread) while batch k + 1 is read: two in memory
         with ThreadPoolExecutor(1, thread_name_prefix="tensorckpt-convert") as pool:
-            writing, digests = None, {}
+            writing = None
+            digests: engine_save.Digests = {}
             for part, state, held in _batches(source, tensors, plan.entries, dtype, max(memory_bytes // 2, 1), bar):
                 if writing is not None:
                     _merge(digests, writing.result())

@@ -211,7 +211,7 @@ class StoredArrays:
             doc = loads(data, where)
             check_array_metadata(doc, self._meta.tensors[k], where)  # what is malformed, named first
             self._check_digest(k, data, where)
-            if self._meta.checkpoint_id:
+            if self._meta.checkpoint_id and isinstance(doc, dict):
                 self._digests[k] = chunk_digests(doc, self._meta.tensors[k], self._meta.checkpoint_id, where)
             self._checked.add(k)
 
