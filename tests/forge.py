@@ -24,13 +24,14 @@ def reseal(path: Path, root: dict | None = None) -> None:
     path = Path(path)
     if root is None:
         root = json.loads((path / "zarr.json").read_bytes())
-    meta = root["attributes"][ATTRIBUTE]
-    if "checksum" not in meta:  # before 1.3: nothing binds the documents
-        (path / "zarr.json").write_text(json.dumps(root))
+    attrs = root.get("attributes") if isinstance(root, dict) else None
+    meta = attrs.get(ATTRIBUTE) if isinstance(attrs, dict) else None
+    if not isinstance(meta, dict) or "checksum" not in meta or not isinstance(meta.get("tensors"), dict):
+        (path / "zarr.json").write_text(json.dumps(root))  # before 1.3, or broken past sealing: as it is
         return
     meta.pop("checksum")
     sums = {}
-    for key, entry_doc in meta.get("tensors", {}).items():
+    for key, entry_doc in meta["tensors"].items():
         f = path / key / "zarr.json"
         if not f.is_file():
             continue

@@ -231,3 +231,16 @@ def test_the_1_3_golden_is_read_and_its_digests_bind_its_chunks(tmp_path):
     shutil.copytree(golden, copy)
     _swap(copy / "a/c/0/0", copy / "b/c/0/0")
     assert sorted(p.where for p in tensorckpt.verify(copy).problems) == [f"{copy}/a/c/0/0", f"{copy}/b/c/0/0"]
+
+
+@pytest.mark.parametrize("variant", ["swapped_chunks_1_3", "swapped_inner_chunks_1_3", "swapped_arrays_1_3",
+                                     "flipped_root_value_1_3"])
+def test_the_broken_1_3_variants_are_refused(variant):
+    """conformance/golden/broken/*_1_3 (the validator reports each, test_validate.py): verify fails, and so
+    does a load in the saved layout."""
+    ck = Path(__file__).resolve().parents[1] / "conformance" / "golden" / "broken" / variant / "checkpoint"
+    assert not tensorckpt.verify(ck).ok
+    target = {"a": torch.empty(8, 4), "b": torch.empty(8, 4), "optim": {"lr": 0.0, "step": 0},
+              "sampler": {"epoch": 0, "position": 0}}
+    with pytest.raises(CorruptCheckpointError):
+        tensorckpt.load(target, ck)
