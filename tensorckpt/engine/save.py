@@ -13,7 +13,7 @@
                  digest computed as it is encoded; sync
     gather       success or error, and the digests -> rank 0     (collective 3)
     rank 0       every array's zarr.json (with its chunks' digests), then
-                 commit (root zarr.json last, sealed), or abort
+                 commit (root zarr.json last, sealed: engine/seal.py), or abort
     broadcast    outcome                                          (collective 4)
 
 Each step that may fail runs through ``Group.collective``: a failure on any
@@ -32,13 +32,11 @@ and collectives 1 to 3 carry :class:`LocalPlanMessage`, :class:`Decision` and
 from __future__ import annotations
 
 import datetime
-import hashlib
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields, replace
 from typing import Any, NamedTuple
 
-import numpy as np
 import tensorstore as ts
 import torch
 
@@ -48,17 +46,7 @@ from ..adapters.sharded import local_part, saved_part
 from ..adapters.state import flatten
 from ..errors import TensorckptError, UnsupportedValueError
 from ..format import dtypes
-from ..format.arrays import array_json, chunk_count
-from ..format.metadata import (
-    MAX_NODE_JSON_BYTES,
-    RootMetadata,
-    SaveStatsRecord,
-    TensorEntry,
-    check_value,
-    dumps,
-    new_checkpoint_id,
-    root_group_json,
-)
+from ..format.metadata import RootMetadata, SaveStatsRecord, check_value, dumps, new_checkpoint_id
 from ..layout import grid
 from ..layout.boxes import Box, chunk_box, read_plan
 from ..layout.plan import (
@@ -75,6 +63,7 @@ from ..storage.backend import backend_for
 from . import plan_cache
 from .group import Group, attempt
 from .replicas import check_not_flat, check_replicas, digests_of
+from .seal import Digests, merge, seal
 
 _GROUP_JSON = dumps({"zarr_format": 3, "node_type": "group", "attributes": {}})
 
@@ -129,9 +118,6 @@ class Decision(NamedTuple):
     begun: commit.Commit  # what commit.begin decided: where to write
     meta: RootMetadata
     cache_hit: bool
-
-
-Digests = dict[str, dict[tuple[int, ...], str]]  # flat key -> chunk position -> object digest (spec 7.1)
 
 
 class RankResult(NamedTuple):
@@ -282,8 +268,7 @@ def run(state: Mapping, loc: location.Location, g: Group, overwrite: bool, optio
     def finish(results: list[RankResult]) -> None:
         digests: Digests = {}
         for r in results:
-            for key, of_key in (r.digests or {}).items():
-                digests.setdefault(key, {}).update(of_key)
+            merge(digests, r.digests or {})
         commit.finish(c, seal(c.write_to, replace(meta, save_stats=stats_record(results)), digests))
 
     t = time.perf_counter()
@@ -512,41 +497,6 @@ def _write_local(
     for key, pos, w in digesting:
         digests.setdefault(key, {})[pos] = w.result()
     return digests
-
-
-def seal(loc: location.Location, meta: RootMetadata, digests: Digests) -> bytes:
-    """The committer, once every rank wrote its objects: write every array's
-    ``zarr.json`` with the checkpoint's id and its chunks' ``digests`` (spec
-    7.1), make them durable, and return the root ``zarr.json`` that commits
-    ``meta`` (given an id here if it has none), with those documents'
-    digests and its own checksum (9.8)."""
-    if not meta.checkpoint_id:
-        meta = replace(meta, checkpoint_id=new_checkpoint_id())
-    docs = {}
-    for key, e in meta.tensors.items():
-        of_key = digests.get(key, {})
-        order = [tuple(int(i) for i in pos) for pos in np.ndindex(*grid_shape(e))] if chunk_count(e) else []
-        lacking = [pos for pos in order if pos not in of_key]
-        if lacking:
-            raise TensorckptError(f"{loc}: tensor {key!r}: no writer reported chunk {lacking[0]} (a bug; nothing committed)")
-        docs[f"{key}/zarr.json"] = doc = array_json(e, meta.checkpoint_id, [of_key[pos] for pos in order])
-        if len(doc) > MAX_NODE_JSON_BYTES:  # ~250,000 chunks (spec 9.8): a larger tensor needs larger chunks
-            raise TensorckptError(
-                f"{loc}: tensor {key!r} has {len(order)} chunks, whose digests make its zarr.json larger than "
-                f"readers accept ({MAX_NODE_JSON_BYTES} bytes, spec 12); save it with a larger shard_bytes"
-            )
-    kv.write_many_async(loc, docs)()
-    try:
-        backend_for(loc).sync(loc, set(docs))
-    except OSError as err:
-        raise TensorckptError(f"{loc}: making the array metadata durable failed: {err}") from err
-    sums = {k.removesuffix("/zarr.json"): hashlib.sha256(d).hexdigest() for k, d in docs.items()}
-    return root_group_json(replace(meta, array_digests=sums))
-
-
-def grid_shape(e: TensorEntry) -> tuple[int, ...]:
-    """Chunks of ``e``'s grid along each dimension."""
-    return tuple(-(-s // c) for s, c in zip(e.shape, e.chunk_shape))
 
 
 def _settle(loc: location.Location, writes: list[tuple[str, Any]], opened: dict[str, ts.Future],

@@ -46,6 +46,7 @@ from .. import __version__
 from ..adapters.sharded import ShardedTensor
 from ..adapters.state import unflatten
 from ..engine import save as engine_save
+from ..engine.seal import Digests, merge, seal
 from ..errors import TensorckptError, UnsupportedValueError
 from ..format import dtypes
 from ..format.keys import flat_key, split_flat_key
@@ -334,21 +335,21 @@ def write_tensorckpt(
         # batch k is written (by the engine, in a thread) while batch k + 1 is read: two in memory
         with ThreadPoolExecutor(1, thread_name_prefix="tensorckpt-convert") as pool:
             writing = None
-            digests: engine_save.Digests = {}
+            digests: Digests = {}
             for part, state, held in _batches(source, tensors, plan.entries, dtype, max(memory_bytes // 2, 1), bar):
                 if writing is not None:
-                    _merge(digests, writing.result())
+                    merge(digests, writing.result())
                 writing = pool.submit(_write_batch, state, part, c.write_to, stats)
                 report.largest_batch_bytes = max(report.largest_batch_bytes, held)
                 del part, state  # the writer holds them until it is done
             if writing is not None:
-                _merge(digests, writing.result())
+                merge(digests, writing.result())
         # the last part: no data, only every group's zarr.json (values' groups too)
         groups = _Part(plan.entries, dict.fromkeys(plan.entries, -1), plan.values)
         _write_batch({}, groups, c.write_to, stats)
         stats.bytes_written = sum(e.nbytes for e in plan.entries.values())
         save_stats = engine_save.stats_record([stats.result()])  # spec 9.7's save_stats, for the one writer
-        commit.finish(c, engine_save.seal(c.write_to, dataclasses.replace(meta, save_stats=save_stats), digests))
+        commit.finish(c, seal(c.write_to, dataclasses.replace(meta, save_stats=save_stats), digests))
     except BaseException:
         commit.abort(c)
         raise
@@ -359,7 +360,7 @@ def write_tensorckpt(
     return report
 
 
-def _write_batch(state: dict, part: _Part, loc: location.Location, total: engine_save.SaveStats) -> engine_save.Digests:
+def _write_batch(state: dict, part: _Part, loc: location.Location, total: engine_save.SaveStats) -> Digests:
     """One batch through the engine's writer (encode, crc32c, write, sync);
     its phase times are added to ``total``; returns its objects' digests."""
     stats = engine_save.SaveStats()
@@ -367,11 +368,6 @@ def _write_batch(state: dict, part: _Part, loc: location.Location, total: engine
     for phase, seconds in stats.seconds.items():
         total.seconds[phase] = total.seconds.get(phase, 0.0) + seconds
     return digests
-
-
-def _merge(into: engine_save.Digests, more: engine_save.Digests) -> None:
-    for key, of_key in more.items():
-        into.setdefault(key, {}).update(of_key)
 
 
 def _batches(source: Source, tensors: list[SourceTensor], entries: dict[str, TensorEntry],
