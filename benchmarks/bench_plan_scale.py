@@ -4,7 +4,9 @@ in one process, no I/O. Prints, per world size, the time of each planning
 step on the critical path, the bytes the collectives carry and the root
 metadata size, to show that they grow linearly; and, for format 1.3's
 digests (spec 9.8), the largest array ``zarr.json`` (one digest per chunk)
-and the bytes of one rank's digests in the result gather.
+and the bytes of one rank's digests in the result gather (at 8,960 ranks:
+root 239 KiB, largest array document 569 KiB, all array documents 582 MB,
+34 KB of digests per rank).
 
     python benchmarks/bench_plan_scale.py [--ranks 1120 2240 4480 8960] [--layers 80]
 
