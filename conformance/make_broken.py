@@ -93,6 +93,25 @@ def _set_int64(rel: str, element: int) -> Callable[[Path], None]:
     return run
 
 
+def _swap(x: str, y: str) -> Callable[[Path], None]:
+    """Swap two stored objects (or directories): each stays intact."""
+    def run(ck: Path) -> None:
+        tmp = ck / ".swap"
+        (ck / x).rename(tmp)
+        (ck / y).rename(ck / x)
+        tmp.rename(ck / y)
+    return run
+
+
+def _flip_root_byte(find: bytes, bit: int) -> Callable[[Path], None]:
+    """Flip one bit of the root document's first byte after ``find``, in place (no reformatting)."""
+    def run(ck: Path) -> None:
+        b = bytearray((ck / "zarr.json").read_bytes())
+        b[b.index(find) + len(find)] ^= 1 << bit
+        (ck / "zarr.json").write_bytes(bytes(b))
+    return run
+
+
 def _drop_count(ck: Path) -> None:
     _meta_edit(lambda m: m["values"].pop("data/rank/0/consumed"))(ck)
     shutil.rmtree(ck / "data" / "rank")
@@ -189,6 +208,17 @@ VARIANTS: dict[str, Variant] = {v_name: v for v_name, v in {
     "group_of_missing_group": Variant("training_state_1_2", "optimizer-group-missing",
                                       "optim/group_of/0.bias names the group 0123456789abcdef, which is not stored",
                                       _meta_edit(_group_of_elsewhere), keep=("optim",)),
+    "swapped_chunks_1_3": Variant("integrity_1_3", "chunk-digest",
+                                  "a/c/1/0 and b/c/1/0 swapped (each intact, in the other tensor's place)",
+                                  _swap("a/c/1/0", "b/c/1/0")),
+    "swapped_inner_chunks_1_3": Variant(
+        "integrity_1_3", "chunk-digest", "a/c/0/0: its two index entries swapped (index CRC fixed): inner chunks reordered",
+        _edit_object("a/c/0/0", lambda d: _with_index(d, list(reversed(_index(d, 2)))))),
+    "swapped_arrays_1_3": Variant("integrity_1_3", "array-digest", "the array directories a and b swapped",
+                                  _swap("a", "b")),
+    "flipped_root_value_1_3": Variant("integrity_1_3", "root-checksum",
+                                      "one bit of the root's value optim/lr flipped in place: 0.001 becomes 1.001",
+                                      _flip_root_byte(b'"optim/lr": ', 0)),
 }.items()}
 
 

@@ -203,6 +203,20 @@ def golden_training_state_1_2():
     return plain_training_state(training_objects_1_2()), {}, {"golden": "training_state_1_2"}
 
 
+def golden_integrity_1_3():
+    """Format 1.3: position-bound integrity (spec 7.1, 9.8): the root's
+    ``checkpoint_id``, ``array_digests`` and ``checksum``, each array's
+    ``chunk_digests``; two tensors of one shape in several chunks of several
+    inner chunks, and the values a flipped bit must not change silently."""
+    state = {
+        "a": torch.arange(32, dtype=torch.float32).reshape(8, 4),
+        "b": torch.arange(32, dtype=torch.float32).reshape(8, 4) * -0.5,
+        "optim": {"lr": 0.001, "step": 1234},
+        "sampler": {"epoch": 2, "position": 98765},
+    }
+    return state, {"shard_bytes": 64, "inner_chunk_bytes": 32}, {"golden": "integrity_1_3"}
+
+
 GOLDENS = {
     "basic": golden_basic,
     "dtypes": golden_dtypes,
@@ -211,6 +225,7 @@ GOLDENS = {
     "save_stats_1_1": golden_save_stats_1_1,
     "training_state": golden_training_state,
     "training_state_1_2": golden_training_state_1_2,
+    "integrity_1_3": golden_integrity_1_3,
     "training_state_w2": None,  # saved by 2 gloo ranks: written by golden_w2.write
 }
 

@@ -8,8 +8,9 @@ Checks every MUST of spec/format-v1.md (and the training-state documents, see
 ``zarr.json`` against spec/schema/*.json and section 7, canonical and
 prefix-free keys, index <-> arrays, no unexpected objects, the whole chunk grid
 stored, chunk sizes, shard indexes (lengths, ranges, overlaps, the empty
-marker), the index CRC and every inner chunk's CRC-32C, and completeness
-(section 10.4). Each violation names the spec section it breaks.
+marker), the index CRC and every inner chunk's CRC-32C, since 1.3 the root's
+checksum and every array's and chunk's digest (``validate_integrity.py``),
+and completeness (section 10.4). Each violation names the spec section it breaks.
 
 Exit status: 0 clean, 1 violations (including an incomplete checkpoint),
 2 not a checkpoint, unsupported (another major version, an extension in
@@ -37,10 +38,12 @@ from typing import Any
 try:
     from . import validate_base as base
     from . import validate_chunks as chunks
+    from . import validate_integrity as integrity
     from . import validate_state
 except ImportError:  # run as a script: python conformance/validate.py
     import validate_base as base  # type: ignore[no-redef,import-not-found]
     import validate_chunks as chunks  # type: ignore[no-redef,import-not-found]
+    import validate_integrity as integrity  # type: ignore[no-redef,import-not-found]
     import validate_state  # type: ignore[no-redef,import-not-found]
 
 
@@ -80,6 +83,7 @@ RULES: dict[str, tuple[str, str]] = {
     "chunk-crc": ("format-v1.md 7", "the CRC-32C of every inner chunk matches"),
     "bool-value": ("format-v1.md 6", "a bool element is one byte, 0 or 1"),
     **validate_state.RULES,
+    **integrity.RULES,
 }
 
 @dataclass(frozen=True)
@@ -378,6 +382,12 @@ def _validate(root: str, report: Report) -> None:
     usable, stored = chunks.check_nodes(root, listing, meta["tensors"], meta["values"], tensors, report.add)
     for key in sorted(usable):
         report.chunks += chunks.check_chunks(root, key, tensors[key], stored[key], report.add, report.notes)
+    raw_meta = doc.get("attributes", {}).get("tensorckpt") if isinstance(doc, dict) else None
+    if isinstance(raw_meta, dict):
+        with open(os.path.join(root, "zarr.json"), "rb") as f:
+            raw = f.read(ROOT_JSON_CAP + 1)
+        if integrity.check_root(raw, raw_meta, report.add):
+            integrity.check_arrays(root, raw_meta, tensors, usable, stored, report.add)
     read = chunks.TensorReader(root, tensors, usable)
     report.objects = validate_state.check(meta["format_version"], meta["tensors"], meta["values"], report.add, read)
     if base.jsonschema is None:

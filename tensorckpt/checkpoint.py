@@ -110,7 +110,7 @@ def open_pinned(loc: location.Location) -> tuple[pinned.Pin, bytes]:
 
 def parse_root_bytes(loc: location.Location, data: bytes) -> RootMetadata:
     where = f"{loc}/{commit.ROOT_KEY}"
-    return parse_root(loads(data, where), where)
+    return parse_root(loads(data, where), where, data)
 
 
 class Checkpoint(StoredArrays):
@@ -169,14 +169,14 @@ class Checkpoint(StoredArrays):
         fast = out.size and self._backend.fast_chunks and direct.usable(e)
         if fast and not strided:
             with self._chunk_reader() as pool:  # as load reads local checkpoints
-                for f in pool.read(k, e, box, out.reshape(box.shape)):
+                for f in pool.read(k, e, box, out.reshape(box.shape), self.chunk_digests(k)):
                     f.result()
         elif fast and box.numel * d.itemsize <= max(TRUSTED_READ_BYTES, 4 * out.nbytes):
             # a strided read: the box around it, by the same reader and checks, then every step-th element
             self._check_backed(k, box.numel * d.itemsize)
             whole = np.empty(box.shape, dtype=d.numpy)
             with self._chunk_reader() as pool:
-                for f in pool.read(k, e, box, whole):
+                for f in pool.read(k, e, box, whole, self.chunk_digests(k)):
                     f.result()
             out[...] = whole[tuple(slice(None, None, ix.step) if isinstance(ix, slice) else 0 for ix in norm)]
         else:

@@ -54,6 +54,7 @@ from .checkpoint import Checkpoint
 from .clean import DEFAULT_OLDER_THAN
 from .clean import clean as clean_leftovers
 from .errors import IncompleteCheckpointError, TensorckptError
+from .format.arrays import chunk_count
 from .format.keys import split_flat_key
 from .storage import location
 from .verify import verify as verify_checkpoint
@@ -175,6 +176,12 @@ def inspect(path: str, as_json: bool = False, out: Stream | None = None, *,
     if m.user_metadata:
         print(f"metadata    {json.dumps(m.user_metadata)[:200]}", file=out)
     print(f"contents    {len(idx.tensors)} tensors ({_size(total)}), {len(idx.values)} values", file=out)
+    if m.checkpoint_id:  # format 1.3 (spec 7.1, 9.8)
+        chunks = sum(chunk_count(e) for e in idx.tensors.values())
+        print(f"integrity   checkpoint id {m.checkpoint_id}, root checksum verified; digests of "
+              f"{len(idx.array_digests)} array documents and {chunks} chunks (checked by verify)", file=out)
+    else:
+        print("integrity   CRC-32C per inner chunk only (no position-bound digests before format 1.3)", file=out)
     for line in monitor.render(idx.save_stats):
         print(line, file=out)
     print(file=out)
@@ -213,6 +220,9 @@ def verify(path: str, as_json: bool = False, quiet: bool = False, out: Stream | 
         print(f"checkpoint  {report.path}", file=out)
         print(f"status      {report.status.upper()}", file=out)
         print(f"checked     {report.tensors} tensors, {report.chunks} chunks, {_size(report.bytes)} read back", file=out)
+        print("digests     none stored (a format before 1.3: CRC-32C only)" if report.digests is None else
+              f"digests     {report.digests} chunk digests match their place; array documents and root checksum too",
+              file=out)
         print(f"problems    {len(report.problems)}", file=out)
         for problem in report.problems:
             print(f"  {problem.kind}: {problem.message}", file=out)

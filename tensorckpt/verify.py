@@ -7,6 +7,11 @@ before it trusts one from elsewhere (spec section 12).
   stores), its size lies within what its inner chunks and index take, and it
   decodes with correct CRC-32C checksums (read like ``load`` reads: by
   :mod:`tensorckpt.storage.direct` on local files, else TensorStore).
+- Since format 1.3 (spec 7.1, 9.8), position and version: the root's
+  checksum (on open), each array ``zarr.json``'s digest as the root records
+  it and its checkpoint id, and every chunk's digest as its array records it
+  (:func:`_check_digest`: a chunk in the wrong place, or from another
+  checkpoint, has intact CRC-32Cs but not its place's digest).
 
 Memory stays bounded: a chunk is read in blocks of at most ``block_bytes``
 cut along its inner chunks, a few blocks at a time. The work follows what is
@@ -40,7 +45,7 @@ from .errors import (
 )
 from .format.metadata import loads
 from .layout.boxes import Box
-from .storage import arrays, direct, location
+from .storage import arrays, codec, direct, location
 from .storage.backend import backend_for
 from .storage.reader import StoredArrays, chunk_error, read_object
 
@@ -66,6 +71,7 @@ class VerifyReport:
     tensors: int = 0  # tensors whose metadata and chunks were checked
     chunks: int = 0  # stored chunks checked
     bytes: int = 0  # bytes of tensor data read back intact
+    digests: int | None = None  # chunk digests that matched their place (spec 7.1); None: none stored (before 1.3)
     problems: list[Problem] = field(default_factory=list)
 
     @property
@@ -83,7 +89,7 @@ class VerifyReport:
     def to_json(self) -> dict:
         return {
             "path": self.path, "ok": self.ok, "status": self.status,
-            "tensors": self.tensors, "chunks": self.chunks, "bytes": self.bytes,
+            "tensors": self.tensors, "chunks": self.chunks, "bytes": self.bytes, "digests": self.digests,
             "problems": [{"kind": p.kind, "where": p.where, "message": p.message} for p in self.problems],
         }
 
@@ -104,6 +110,8 @@ def verify(path: location.PathArg, *, progress: Progress | None = None, block_by
         report.problems.append(Problem("corrupt", f"{loc.url}/zarr.json", str(e)))
         return report
     _check_groups(ckpt, report)
+    if ckpt.index.checkpoint_id:
+        report.digests = 0
     total = sum(e.nbytes for e in ckpt.index.tensors.values())
 
     def tick() -> None:
@@ -209,6 +217,57 @@ def _check_tensor(ckpt: StoredArrays, key: str, report: VerifyReport, tick: Call
                 settle(pending.popleft())
     while pending:
         settle(pending.popleft())
+    digests = ckpt.chunk_digests(key)
+    if digests is None:
+        return  # before format 1.3
+    for pos in sorted(stored):
+        size, (need, most) = stored[pos], arrays.object_bytes_bounds(e, pos)
+        if pos in failed or size is None or not need <= size <= most:
+            continue  # reported above
+        if _check_digest(ckpt, key, pos, size, digests, report, block_bytes):
+            report.digests = (report.digests or 0) + 1
+
+
+def _check_digest(ckpt: StoredArrays, key: str, pos: tuple[int, ...], size: int, digests: list[str],
+                  report: VerifyReport, block_bytes: int) -> bool:
+    """Compare the digest of chunk ``pos`` (its data already read intact) with
+    the one its array records for that place (spec 7.1): from its index and
+    the stored CRC-32C of each inner chunk, read in spans of at most
+    ``block_bytes``. Returns whether it matched."""
+    e = ckpt.index.tensors[key]
+    obj = _object(f"{ckpt.path}/{key}", pos)
+    g = codec.geometry(e)
+    backend, name = backend_for(ckpt.location), f"{key}/{arrays.chunk_key(pos)}"
+    where = f"{obj}: tensor {key!r}, chunk {pos}"
+
+    def read(start: int, length: int) -> bytes:
+        raw = backend.read_range(ckpt.read_location, name, start, length)
+        if raw is None or len(raw) != length:
+            raise CorruptCheckpointError(f"{where}, changed while it was verified")
+        return raw
+
+    try:
+        index = codec.decode_index(g, read(size - g.index_bytes, g.index_bytes), where)
+        places = [at for _, at in codec.stored_crcs(g, index, pos)]
+        crcs, span = {}, sorted(places)
+        while span:
+            first = span[0]
+            group = [at for at in span if at + 4 - first <= max(block_bytes, 4)]
+            raw = read(first, group[-1] + 4 - first)
+            crcs.update({at: raw[at - first:at - first + 4] for at in group})
+            span = span[len(group):]
+        grid = [-(-s // c) for s, c in zip(e.shape, e.chunk_shape)]
+        want = digests[int(np.ravel_multi_index(pos, grid))] if grid else digests[0]
+        if codec.digest_of_crcs(b"".join(crcs[at] for at in places)) != want:
+            raise CorruptCheckpointError(
+                f"{where}, does not have the digest its array records for this place: its inner chunks are intact "
+                "but belong elsewhere (a chunk swapped or replayed from another tensor, position or checkpoint, "
+                "or its inner chunks reordered)"
+            )
+    except CorruptCheckpointError as err:
+        report.problems.append(Problem("corrupt", obj, str(err)))
+        return False
+    return True
 
 
 def _report_missing(key: str, where: str, grid: list[int], stored: dict, report: VerifyReport) -> None:

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 import tensorckpt
+from tests.forge import reseal
 from tensorckpt.cli import main as cli_main
 
 
@@ -221,7 +222,7 @@ def test_unknown_phases_are_ignored(tmp_path):
     doc = json.loads(p.read_bytes())
     doc["attributes"]["tensorckpt"]["save_stats"]["seconds"]["future_phase"] = [0.5]
     doc["attributes"]["tensorckpt"]["save_stats"]["future_member"] = {"x": 1}
-    p.write_text(json.dumps(doc))
+    reseal(tmp_path / "c", doc)  # a later writer's root, sealed (format 1.3)
     assert torch.equal(tensorckpt.open(tmp_path / "c").read("w"), torch.ones(2))
 
 

@@ -24,3 +24,31 @@ def test_root_json_is_the_documents_dumps():
         )
         whole = dumps({"zarr_format": 3, "node_type": "group", "attributes": {ATTRIBUTE: meta.to_json()}})
         assert root_group_json(meta) == whole, trial
+
+
+def test_a_sealed_root_is_the_documents_dumps_with_its_checksum_last():
+    """Format 1.3 (spec 9.8): with a checkpoint_id, root_group_json ends the
+    document with the checksum member, the SHA-256 of the bytes with its
+    digits as zeros; parse_root checks it, and any flipped bit fails."""
+    import hashlib
+
+    import pytest
+
+    from tensorckpt.errors import CorruptCheckpointError
+    from tensorckpt.format.metadata import check_seal, loads, parse_root
+
+    meta = RootMetadata({"w": TensorEntry("float32", (2, 3), (2, 3), (2, 3))}, {"lr": 0.001, "step": 7},
+                        checkpoint_id="ab" * 16, array_digests={"w": "c" * 64})
+    raw = root_group_json(meta)
+    doc = dict(loads(raw, "x"))
+    attrs = doc["attributes"][ATTRIBUTE]
+    stored = attrs.pop("checksum")
+    assert list(doc["attributes"][ATTRIBUTE]) == [*meta.to_json()]  # every member before it, in order
+    assert raw == dumps({"zarr_format": 3, "node_type": "group", "attributes": {ATTRIBUTE: {
+        **meta.to_json(), "checksum": stored}}})
+    assert stored == hashlib.sha256(raw.replace(stored.encode(), b"0" * 64)).hexdigest()
+    check_seal(raw, stored, "x")
+    assert parse_root(loads(raw, "x"), "x", raw).values["lr"] == 0.001
+    flipped = raw.replace(b"0.001", b"1.001")
+    with pytest.raises(CorruptCheckpointError, match="fails its checksum"):
+        parse_root(loads(flipped, "x"), "x", flipped)

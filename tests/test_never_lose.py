@@ -21,6 +21,7 @@ import pytest
 import torch
 
 import tensorckpt
+from tests.forge import reseal
 from tensorckpt import cli
 from tensorckpt.errors import CheckpointExistsError, TensorckptError
 from tensorckpt.storage import commit, commit_local, location
@@ -431,7 +432,7 @@ def test_cli_inspect_escapes_control_characters(tmp_path, capsys):
     root = tmp_path / "c" / "zarr.json"  # a hostile writer: control characters in the root's strings
     doc = json.loads(root.read_text())
     doc["attributes"]["tensorckpt"].update(library_version="\x1b]0;title\x07", created="\x1b[2J")
-    root.write_text(json.dumps(doc))
+    reseal(tmp_path / "c", doc)  # sealed (format 1.3): inspect shows it
     for args in (["inspect", str(tmp_path / "c")], ["list", str(tmp_path)], ["clean", str(tmp_path / "c")]):
         cli.main(args)
         out = capsys.readouterr()

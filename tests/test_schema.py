@@ -106,8 +106,9 @@ def test_writer_writes_every_root_member(ckpt):
     meta = json.loads((ckpt / "zarr.json").read_bytes())["attributes"]["tensorckpt"]
     assert set(meta) == {
         "format_version", "must_understand", "library_version", "created", "world_size", "user_metadata", "tensors", "values",
-        "save_stats",
+        "save_stats", "checkpoint_id", "array_digests", "checksum",  # the last three since 1.3 (spec 9.8)
     }
+    assert set(meta["array_digests"]) == set(meta["tensors"])
     world = meta["world_size"]
     assert set(meta["save_stats"]["seconds"]) == {"plan", "stage", "write", "sync"}
     assert all(len(v) == world and min(v) >= 0 for v in meta["save_stats"]["seconds"].values())

@@ -7,6 +7,7 @@ version read by this release's newest reader (unknown members ignored) unless
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 from pathlib import Path
@@ -24,7 +25,8 @@ from conformance.suite import (
 from tensorckpt.errors import CorruptCheckpointError, UnsupportedVersionError
 from tensorckpt.format import versions
 from tensorckpt.format.metadata import ATTRIBUTE, FORMAT_VERSION
-from tensorckpt.format.versions import v1_0, v1_1, v1_2
+from tensorckpt.format.versions import v1_0, v1_1, v1_2, v1_3
+from tests.forge import reseal
 
 GOLDENS = golden_names(1)
 
@@ -45,12 +47,12 @@ def _by_version() -> dict[str, list[str]]:
 
 
 def test_one_reader_per_version_and_the_newest_is_what_writers_write():
-    assert [r.VERSION for r in versions.READERS] == [(1, 0), (1, 1), (1, 2)]
+    assert [r.VERSION for r in versions.READERS] == [(1, 0), (1, 1), (1, 2), (1, 3)]
     assert _text(versions.NEWEST) == FORMAT_VERSION == tensorckpt.FORMAT_VERSION
 
 
-@pytest.mark.parametrize(("version", "reader"), [("1.0", v1_0), ("1.1", v1_1), ("1.2", v1_2), ("1.3", v1_2),
-                                                 ("1.99999", v1_2)])
+@pytest.mark.parametrize(("version", "reader"), [("1.0", v1_0), ("1.1", v1_1), ("1.2", v1_2), ("1.3", v1_3),
+                                                 ("1.4", v1_3), ("1.99999", v1_3)])
 def test_reader_for_sniffs_the_version(version, reader):
     assert versions.reader_for(version) is reader
 
@@ -94,13 +96,17 @@ def test_each_golden_is_read_by_its_own_versions_reader(name):
 
 @pytest.mark.parametrize("name", _by_version()[_text(versions.NEWEST)])
 def test_newest_minor_goldens_read_by_the_previous_reader(name):
-    """A checkpoint of the newest minor version (1.2) read by the previous
-    reader module (1.1's): the same index, every key, tensor entry and value;
-    what 1.2 changed are training-state keys, which it reads as such."""
+    """A checkpoint of the newest minor version (1.3) read by the previous
+    reader module (1.2's): the same index, every key, tensor entry and value;
+    what 1.3 added (checkpoint_id, array_digests, checksum; the arrays'
+    chunk_digests) are members it ignores."""
     previous = versions.READERS[-2]
-    assert previous.VERSION == (1, 1)
+    assert previous.VERSION == (1, 2)
     doc = _root(name)["attributes"][ATTRIBUTE]
-    assert previous.read(doc, name) == versions.reader_for(doc["format_version"]).read(doc, name)
+    old, new = previous.read(doc, name), versions.reader_for(doc["format_version"]).read(doc, name)
+    assert (old.tensors, old.values, old.header()) == (new.tensors, new.values, dataclasses.replace(
+        new.header(), checkpoint_id=""))
+    assert new.checkpoint_id == doc["checkpoint_id"] and new.array_digests == doc["array_digests"]
     expected = load_expected(name)
     meta = previous.read(doc, name)
     assert {k: meta.values[k] for k in expected["values"]} == {k: v["value"] for k, v in expected["values"].items()}
@@ -116,24 +122,27 @@ def test_1_1_golden_read_by_the_1_0_reader_ignores_save_stats():
 
 
 def _future_copy(tmp_path: Path, name: str, **members) -> Path:
-    """A golden rewritten as a future minor version 1.3 of a later writer:
-    unknown optional members in the root, the index and a tensor entry."""
+    """A golden rewritten as a future minor version 1.4 of a later writer:
+    unknown optional members in the root, the index and a tensor entry; what
+    1.3 requires (checkpoint id, digests, the checksum) made to agree."""
     ck = tmp_path / name
     shutil.copytree(checkpoint_dir(name), ck)
     doc = json.loads((ck / "zarr.json").read_text(encoding="utf-8"))
     meta = doc["attributes"][ATTRIBUTE]
-    meta.update(format_version="1.3", future_member={"anything": [1, 2]}, **members)
+    meta.update(format_version="1.4", future_member={"anything": [1, 2]}, **members)
+    meta.setdefault("checkpoint_id", "5" * 32)
+    meta["checksum"] = ""  # resealed below
     next(iter(meta["tensors"].values()))["future_entry_member"] = "ignored"
-    (ck / "zarr.json").write_text(json.dumps(doc), encoding="utf-8")
+    reseal(ck, doc)
     return ck
 
 
-@pytest.mark.parametrize("name", ["basic", "training_state_1_2"])
+@pytest.mark.parametrize("name", ["basic", "training_state_1_2", "integrity_1_3"])
 def test_a_future_minor_version_is_read_ignoring_what_it_adds(tmp_path, name):
     ck = _future_copy(tmp_path, name)
     expected = load_expected(name)
     ckpt = tensorckpt.open(ck)
-    assert ckpt.metadata.format_version == "1.3"
+    assert ckpt.metadata.format_version == "1.4"
     check_against_expected(ckpt.to_state_dict(), expected)
 
 

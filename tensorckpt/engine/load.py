@@ -307,7 +307,7 @@ def _read_into(ckpt: StoredArrays, targets: dict[str, tuple[torch.Tensor, Box]],
                     finish_oldest()
                 futures: list[Any]
                 if pool is not None and key not in srcs:
-                    futures = pool.read(key, e, part, dst)
+                    futures = pool.read(key, e, part, dst, ckpt.chunk_digests(key))
                 else:
                     src = srcs[key][part.slices()] if part.shape else srcs[key]
                     futures = [ts.array(dst, copy=False, write=True).write(src)]

@@ -9,10 +9,11 @@
     broadcast    plan + commit decision, or an error              (collective 2)
     all-to-all   parts of boxes that chunks of other ranks need   (only if the
                  plan moves any, for irregular splits; see "exchange" below)
-    every rank   write its boxes (or chunks) and its arrays' zarr.json,
-                 concurrently; sync
-    gather       success or error -> rank 0                       (collective 3)
-    rank 0       commit (root zarr.json last), or abort
+    every rank   write its boxes (or chunks), concurrently, each object's
+                 digest computed as it is encoded; sync
+    gather       success or error, and the digests -> rank 0     (collective 3)
+    rank 0       every array's zarr.json (with its chunks' digests), then
+                 commit (root zarr.json last, sealed: engine/seal.py), or abort
     broadcast    outcome                                          (collective 4)
 
 Each step that may fail runs through ``Group.collective``: a failure on any
@@ -45,7 +46,7 @@ from ..adapters.sharded import local_part, saved_part
 from ..adapters.state import flatten
 from ..errors import TensorckptError, UnsupportedValueError
 from ..format import dtypes
-from ..format.metadata import RootMetadata, SaveStatsRecord, check_value, dumps, root_group_json
+from ..format.metadata import RootMetadata, SaveStatsRecord, check_value, dumps, new_checkpoint_id
 from ..layout import grid
 from ..layout.boxes import Box, chunk_box, read_plan
 from ..layout.plan import (
@@ -57,11 +58,12 @@ from ..layout.plan import (
     merge_values,
     plan_bytes,
 )
-from ..storage import arrays, commit, direct, kv, location
+from ..storage import arrays, codec, commit, direct, kv, location
 from ..storage.backend import backend_for
 from . import plan_cache
 from .group import Group, attempt
 from .replicas import check_not_flat, check_replicas, digests_of
+from .seal import Digests, merge, seal
 
 _GROUP_JSON = dumps({"zarr_format": 3, "node_type": "group", "attributes": {}})
 
@@ -121,10 +123,11 @@ class Decision(NamedTuple):
 class RankResult(NamedTuple):
     """Every rank -> rank 0 after writing (collective 3): its phase times
     (seconds, rounded to microseconds) and bytes written, for the root's
-    ``save_stats``."""
+    ``save_stats``, and the digests of the objects it wrote."""
 
     seconds: dict[str, float]
     bytes_written: int
+    digests: Digests | None = None
 
 
 def stats_record(results: list[RankResult]) -> SaveStatsRecord:
@@ -253,7 +256,7 @@ def run(state: Mapping, loc: location.Location, g: Group, overwrite: bool, optio
         if err is not None:
             raise err
         try:
-            _write_local(state, plan, c.write_to, g.rank, stats, received)
+            digests = _write_local(state, plan, c.write_to, g.rank, stats, received)
         except Exception:
             raise
         except BaseException:  # KeyboardInterrupt mid-write: leave nothing behind
@@ -262,10 +265,13 @@ def run(state: Mapping, loc: location.Location, g: Group, overwrite: bool, optio
                 commit.abort(c)
             aborted = True
             raise
-        return stats.result()
+        return stats.result()._replace(digests=digests)
 
     def finish(results: list[RankResult]) -> None:
-        commit.finish(c, root_group_json(replace(meta, save_stats=stats_record(results))))
+        digests: Digests = {}
+        for r in results:
+            merge(digests, r.digests or {})
+        commit.finish(c, seal(c.write_to, replace(meta, save_stats=stats_record(results)), digests))
 
     t = time.perf_counter()
     try:
@@ -333,6 +339,7 @@ def _decide(gathered: list[LocalPlanMessage], loc: location.Location, overwrite:
         created=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         world_size=world,
         user_metadata=user,
+        checkpoint_id=new_checkpoint_id(),
     )
     c = commit.begin(loc, overwrite, commit.new_token())
     return Decision(plan, c, meta, hit)
@@ -414,18 +421,19 @@ def _assemble(region: Box, t: torch.Tensor, held: Box, pieces: list) -> torch.Te
 
 def _write_local(
     state: Mapping, plan: SavePlan, loc: location.Location, rank: int, stats: SaveStats, received: dict | None = None
-) -> None:
+) -> Digests:
     """Write this rank's boxes (or chunks, assembled with the ``received``
-    pieces) and metadata objects, all concurrently, then make exactly those
+    pieces) and group ``zarr.json`` objects, all concurrently; return the
+    digest of every stored object written (spec 7.1: computed from the
+    CRC-32Cs the encoding makes, by the direct writer or, for objects
+    TensorStore writes, by :func:`codec.chunk_digest`). Then make exactly those
     objects durable (the ones :meth:`Backend.chunk_writer` wrote are as
     they are written; only their directories are left). Whatever
     happens, every write issued is finished before returning, so an abort
     that follows cannot race a write still in flight."""
     received = received or {}
     leaves = flatten(state, check_values=False)
-    objects = {f"{k}/zarr.json": arrays.zarr_json(e) for k, e in plan.entries.items() if plan.meta_writers[k] == rank}
-    if rank == 0:
-        objects.update({f"{gk}/zarr.json": _GROUP_JSON for gk in _groups(plan)})
+    objects = {f"{gk}/zarr.json": _GROUP_JSON for gk in _groups(plan)} if rank == 0 else {}  # arrays': seal()
     backend = backend_for(loc)
     backend.prepare(loc)  # also when this rank writes nothing
     mine = plan.writes_of(rank)
@@ -436,6 +444,8 @@ def _write_local(
     writer = backend.chunk_writer(loc) if fast else None
     opened = {k: arrays.open_write(loc, k, plan.entries[k]) for k in {k for k, b in mine if (k, b) not in small} - fast}
     writes, encoded, small_write = [], {}, lambda: None
+    digests: Digests = {}
+    digesting: list[tuple[str, tuple[int, ...], Any]] = []  # the direct writer's futures give the digests
     written, fsynced = set(objects), set()  # the keys of every object this rank writes; those already durable
     start, staging = time.perf_counter(), 0.0
     try:
@@ -453,18 +463,23 @@ def _write_local(
                 continue
             data = dtypes.to_numpy(tensor)
             if (key, box) in small:  # one inner chunk: encoded here, written in one batch below
-                encoded[f"{key}/{arrays.chunk_key(small[key, box])}"] = arrays.encode_whole_chunk(plan.entries[key], data)
+                pos = small[key, box]
+                encoded[f"{key}/{arrays.chunk_key(pos)}"], digests.setdefault(key, {})[pos] = codec.encoded_bytes(
+                    codec.geometry(plan.entries[key]), data)
             else:  # one write per stored object: a failure settles only once all are done
                 e = plan.entries[key]
                 for p in read_plan(e.shape, e.chunk_shape, box):
                     written.add(name := f"{key}/{arrays.chunk_key(p.chunk)}")
                     if writer is not None and key in fast and p.src == chunk_box(p.chunk, e.chunk_shape, e.shape):
-                        writes.append((key, writer.write(key, e, p.chunk, data[p.dst.slices()])))
+                        w = writer.write(key, e, p.chunk, data[p.dst.slices()])
+                        writes.append((key, w))
+                        digesting.append((key, p.chunk, w))
                         fsynced.add(name)
                     else:
                         if key not in opened:
                             opened[key] = arrays.open_write(loc, key, e)
                         writes.append((key, opened[key].result()[p.src.slices()].write(data[p.dst.slices()])))
+                        digests.setdefault(key, {})[p.chunk] = codec.chunk_digest(codec.geometry(e), data[p.dst.slices()])
         small_write = kv.write_many_async(loc, encoded)
         written.update(encoded)
     finally:
@@ -481,6 +496,9 @@ def _write_local(
     except OSError as e:
         raise TensorckptError(f"{loc}: making the written data durable failed: {e}") from e
     stats._phase("sync", t)
+    for key, pos, w in digesting:
+        digests.setdefault(key, {})[pos] = w.result()
+    return digests
 
 
 def _settle(loc: location.Location, writes: list[tuple[str, Any]], opened: dict[str, ts.Future],

@@ -2,13 +2,15 @@
 array tensorckpt writes has (:func:`zarr_metadata`), and the check that a
 stored one agrees with its index entry (:func:`check_array_metadata`),
 done in Python before TensorStore opens the array with the checked
-metadata. Pure: used by the writer (``storage/arrays.py``) and the reader
-(``storage/reader.py``)."""
+metadata. Since format 1.3 the document also records the checkpoint's id
+and every chunk's digest (:func:`array_json`, :func:`chunk_digests`; spec
+7.1). Pure: used by the writer (``storage/arrays.py``, ``engine/save.py``)
+and the reader (``storage/reader.py``)."""
 
 from __future__ import annotations
 
 from ..errors import CorruptCheckpointError
-from .metadata import ATTRIBUTE, TensorEntry
+from .metadata import ATTRIBUTE, DIGEST_HEX, TensorEntry, dumps
 
 _BYTES = {"name": "bytes", "configuration": {"endian": "little"}}
 _CRC = {"name": "crc32c"}
@@ -104,3 +106,41 @@ def _same(a: object, b: object, numbers: bool = False) -> bool:
 def _clip(v: object, limit: int = 120) -> str:
     s = repr(v)
     return s if len(s) <= limit else s[:limit] + "..."
+
+
+# ----------------------------------------------------------- integrity (1.3)
+
+
+def chunk_count(entry: TensorEntry) -> int:
+    """The number of chunks of the array's grid (0 for an empty array)."""
+    n = 1
+    for s, c in zip(entry.shape, entry.chunk_shape):
+        n *= -(-s // c)
+    return n
+
+
+def array_json(entry: TensorEntry, checkpoint_id: str, digests: list[str]) -> bytes:
+    """The bytes of the array's ``zarr.json`` of format 1.3 (spec 7.1):
+    section 7's members, with ``attributes.tensorckpt`` also holding the
+    checkpoint's id and the digest of every chunk, in C order of the grid."""
+    doc = {"zarr_format": 3, "node_type": "array", **zarr_metadata(entry)}
+    doc["attributes"] = {ATTRIBUTE: {"dtype": entry.dtype, "checkpoint_id": checkpoint_id, "chunk_digests": digests}}
+    return dumps(doc)
+
+
+def chunk_digests(doc: dict, entry: TensorEntry, checkpoint_id: str, where: str) -> list[str]:
+    """The chunk digests an array ``zarr.json`` of format 1.3 records (its
+    document already checked by :func:`check_array_metadata`): one per chunk
+    of the grid, in C order, recorded for the checkpoint ``checkpoint_id``."""
+    attrs = doc["attributes"][ATTRIBUTE]
+    if attrs.get("checkpoint_id") != checkpoint_id:
+        raise CorruptCheckpointError(
+            f"{where}: belongs to another checkpoint (checkpoint_id {str(attrs.get('checkpoint_id'))[:40]!r}, "
+            f"the root's is {checkpoint_id!r}): an array directory copied or replayed from elsewhere"
+        )
+    digests = attrs.get("chunk_digests")
+    n = chunk_count(entry)
+    if not (isinstance(digests, list) and len(digests) == n
+            and all(isinstance(d, str) and DIGEST_HEX.fullmatch(d) for d in digests)):
+        raise CorruptCheckpointError(f"{where}: chunk_digests must list {n} digests (64 lower-case hex digits each)")
+    return digests

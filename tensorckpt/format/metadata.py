@@ -20,8 +20,11 @@ explicit ``to_json``; the TypedDicts (``TensorEntryJSON``, ``RootJSON``,
 from __future__ import annotations
 
 import functools
+import hashlib
 import json
 import math
+import re
+import secrets
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any, NoReturn, TypedDict, cast
@@ -33,7 +36,7 @@ from . import dtypes as _dtypes
 from .keys import split_flat_key
 
 FORMAT_MAJOR = 1
-FORMAT_MINOR = 2
+FORMAT_MINOR = 3
 FORMAT_VERSION = f"{FORMAT_MAJOR}.{FORMAT_MINOR}"
 ATTRIBUTE = "tensorckpt"  # member of the root group's attributes
 KNOWN_EXTENSIONS: frozenset[str] = frozenset()  # extensions this reader implements
@@ -79,6 +82,9 @@ class RootJSON(TypedDict, total=False):
     tensors: dict[str, TensorEntryJSON]
     values: dict[str, object]
     save_stats: SaveStatsJSON
+    checkpoint_id: str  # since 1.3 (spec 9.8)
+    array_digests: dict[str, str]
+    checksum: str
 
 
 @dataclass(frozen=True)
@@ -197,6 +203,7 @@ class CheckpointMetadata:
     world_size: int = 1
     user_metadata: dict = field(default_factory=dict)
     save_stats: SaveStatsRecord | None = None  # per-rank phase times and bytes (spec 9.7); None before format 1.1
+    checkpoint_id: str = ""  # random, one per save (spec 9.8); "" before format 1.3
 
     def __post_init__(self) -> None:
         if self.save_stats is not None and not isinstance(self.save_stats, SaveStatsRecord):
@@ -216,6 +223,7 @@ class RootMetadata(CheckpointMetadata):
     tensors: dict[str, TensorEntry]
     values: dict[str, object]
     must_understand: tuple[str, ...] = ()
+    array_digests: dict[str, str] = field(default_factory=dict)  # flat key -> digest of its array zarr.json (9.8)
 
     def to_json(self) -> RootJSON:
         """The ``attributes.tensorckpt`` document."""
@@ -235,6 +243,9 @@ class RootMetadata(CheckpointMetadata):
         }
         if self.save_stats is not None:
             doc["save_stats"] = self.save_stats.to_json()
+        if self.checkpoint_id:
+            doc["checkpoint_id"] = self.checkpoint_id
+            doc["array_digests"] = dict(sorted(self.array_digests.items()))
         return doc
 
 
@@ -247,8 +258,54 @@ def root_group_json(meta: RootMetadata) -> bytes:
     collections that cost more than the rest of a small-tensor commit."""
     doc = meta._members(None)
     tensors = "{" + ", ".join(f"{_text(k)}: {entry_json(meta.tensors[k])}" for k in sorted(meta.tensors)) + "}"
-    attrs = "{" + ", ".join(f"{_text(k)}: {tensors if k == 'tensors' else _text(v)}" for k, v in doc.items()) + "}"
-    return f'{{"zarr_format": 3, "node_type": "group", "attributes": {{{_text(ATTRIBUTE)}: {attrs}}}}}'.encode()
+    members = [f"{_text(k)}: {tensors if k == 'tensors' else _text(v)}" for k, v in doc.items()]
+    if meta.checkpoint_id:  # since 1.3: sealed by a checksum over the document's bytes (spec 9.8)
+        members.append(f'"checksum": "{_UNSEALED}"')
+    attrs = "{" + ", ".join(members) + "}"
+    text = f'{{"zarr_format": 3, "node_type": "group", "attributes": {{{_text(ATTRIBUTE)}: {attrs}}}}}'.encode()
+    return seal(text) if meta.checkpoint_id else text
+
+
+# ----------------------------------------------------------- integrity (1.3)
+# spec 9.8: a root of format 1.3 ends with its checksum member; the checksum
+# is the SHA-256 of the document's bytes with its own 64 hex digits written
+# as zeros, so any flipped bit of the root fails the open.
+
+_UNSEALED = "0" * 64
+_SEALED_END = re.compile(rb'"checksum": "([0-9a-f]{64})"\}\}\}\Z')
+DIGEST_HEX = re.compile(r"[0-9a-f]{64}")
+CHECKPOINT_ID = re.compile(r"[0-9a-f]{32}")
+
+
+def new_checkpoint_id() -> str:
+    """A fresh checkpoint identity: 128 random bits as 32 hex digits (9.8)."""
+    return secrets.token_hex(16)
+
+
+def seal(text: bytes) -> bytes:
+    """A root document ending in ``"checksum": "000...0"}}}`` with the zeros
+    replaced by the document's checksum."""
+    if not text.endswith(f'"checksum": "{_UNSEALED}"}}}}}}'.encode()):
+        raise ValueError("not an unsealed root document")
+    return text[:-68] + hashlib.sha256(text).hexdigest().encode() + text[-4:]
+
+
+def check_seal(raw: bytes, stored: object, where: str) -> None:
+    """Check the root document's checksum (9.8): ``raw`` must end with the
+    checksum member, whose value (``stored``, as parsed) is the SHA-256 of
+    ``raw`` with those 64 digits written as zeros."""
+    m = _SEALED_END.search(raw)
+    if m is None or m.group(1).decode() != stored:
+        raise CorruptCheckpointError(
+            f"{where}: the root metadata's checksum member is malformed or not the document's last member "
+            "(the root zarr.json is damaged, or was rewritten by a tool that does not reseal it)"
+        )
+    unsealed = raw[:m.start(1)] + _UNSEALED.encode() + raw[m.end(1):]
+    if hashlib.sha256(unsealed).hexdigest() != stored:
+        raise CorruptCheckpointError(
+            f"{where}: the root metadata fails its checksum: the root zarr.json is corrupt "
+            "(a value such as a step, learning rate or sampler position may have changed); do not use it"
+        )
 
 
 @functools.lru_cache(maxsize=1 << 16)
@@ -322,13 +379,14 @@ def _check_text(s: str, key: str) -> None:
 # ----------------------------------------------------------------- parsing
 
 
-def parse_root(doc: object, where: str) -> RootMetadata:
-    """Parse an untrusted root ``zarr.json`` document by the reader that its
-    ``format_version`` selects (:func:`.versions.read_root`); every problem
-    raises a tensorckpt error naming ``where``."""
+def parse_root(doc: object, where: str, raw: bytes | None = None) -> RootMetadata:
+    """Parse an untrusted root ``zarr.json`` document (``raw``: its bytes, for
+    the checksum of 1.3) by the reader that its ``format_version`` selects
+    (:func:`.versions.read_root`); every problem raises a tensorckpt error
+    naming ``where``."""
     from .versions import read_root  # the readers build on this module
 
-    return read_root(doc, where)
+    return read_root(doc, where, raw)
 
 
 def _check_key(key: str, where: str) -> None:

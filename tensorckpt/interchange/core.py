@@ -45,10 +45,11 @@ from .. import __version__
 from ..adapters.sharded import ShardedTensor
 from ..adapters.state import unflatten
 from ..engine import save as engine_save
+from ..engine.seal import Digests, merge, seal
 from ..errors import TensorckptError, UnsupportedValueError
 from ..format import dtypes
 from ..format.keys import flat_key, split_flat_key
-from ..format.metadata import RootMetadata, TensorEntry, check_value, root_group_json
+from ..format.metadata import RootMetadata, TensorEntry, check_value
 from ..layout import grid
 from ..layout.boxes import Box
 from ..layout.plan import LocalItem, LocalItems, LocalPlan, build_save_plan
@@ -333,20 +334,21 @@ def write_tensorckpt(
         # batch k is written (by the engine, in a thread) while batch k + 1 is read: two in memory
         with ThreadPoolExecutor(1, thread_name_prefix="tensorckpt-convert") as pool:
             writing = None
+            digests: Digests = {}
             for part, state, held in _batches(source, tensors, plan.entries, dtype, max(memory_bytes // 2, 1), bar):
                 if writing is not None:
-                    writing.result()
+                    merge(digests, writing.result())
                 writing = pool.submit(_write_batch, state, part, c.write_to, stats)
                 report.largest_batch_bytes = max(report.largest_batch_bytes, held)
                 del part, state  # the writer holds them until it is done
             if writing is not None:
-                writing.result()
+                merge(digests, writing.result())
         # the last part: no data, only every group's zarr.json (values' groups too)
         groups = _Part(plan.entries, dict.fromkeys(plan.entries, -1), plan.values)
         _write_batch({}, groups, c.write_to, stats)
         stats.bytes_written = sum(e.nbytes for e in plan.entries.values())
         save_stats = engine_save.stats_record([stats.result()])  # spec 9.7's save_stats, for the one writer
-        commit.finish(c, root_group_json(dataclasses.replace(meta, save_stats=save_stats)))
+        commit.finish(c, seal(c.write_to, dataclasses.replace(meta, save_stats=save_stats), digests))
     except BaseException:
         commit.abort(c)
         raise
@@ -357,13 +359,14 @@ def write_tensorckpt(
     return report
 
 
-def _write_batch(state: dict, part: _Part, loc: location.Location, total: engine_save.SaveStats) -> None:
+def _write_batch(state: dict, part: _Part, loc: location.Location, total: engine_save.SaveStats) -> Digests:
     """One batch through the engine's writer (encode, crc32c, write, sync);
-    its phase times are added to ``total``."""
+    its phase times are added to ``total``; returns its objects' digests."""
     stats = engine_save.SaveStats()
-    engine_save._write_local(state, part, loc, 0, stats)  # type: ignore[arg-type]  # a _Part reads as a plan
+    digests = engine_save._write_local(state, part, loc, 0, stats)  # type: ignore[arg-type]  # a _Part reads as a plan
     for phase, seconds in stats.seconds.items():
         total.seconds[phase] = total.seconds.get(phase, 0.0) + seconds
+    return digests
 
 
 def _batches(source: Source, tensors: list[SourceTensor], entries: dict[str, TensorEntry],

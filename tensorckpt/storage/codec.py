@@ -14,6 +14,12 @@ through the kvstore) call it; the bytes are TensorStore's
   elements: inner chunk by inner chunk in C order (elements, then their
   CRC-32C), the index last; into a caller's reused buffer, piece by piece,
   or as one ``bytes``.
+- :func:`new_digest` / :func:`chunk_digest` / :func:`digest_of_crcs` -- the
+  object digest of format 1.3 (spec 7.1): SHA-256 over the stored CRC-32Cs
+  of the object's inner chunks in C order of the inner grid, computed while
+  encoding (:func:`encode` feeds it), from a chunk's elements alone (objects
+  TensorStore writes), or from what a reader read (:meth:`Reads.digest`,
+  :func:`stored_crcs`).
 - :func:`decode_index` -- a shard index checked (size, CRC-32C);
   :func:`plan_reads` -- the inner chunks of one object that a wanted box
   needs, their index entries checked (the empty marker, length == the
@@ -34,12 +40,13 @@ from __future__ import annotations
 import ctypes
 import functools
 import glob
+import hashlib
 import itertools
 import math
 import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import google_crc32c
 import numpy as np
@@ -85,6 +92,26 @@ def crc32c(data: bytes, length: int | None = None) -> int:
     return int(google_crc32c.value(data[:n]))
 
 
+class Digest(Protocol):
+    """What :func:`new_digest` returns (hashlib's running hash)."""
+
+    def update(self, data: bytes, /) -> None: ...
+
+    def hexdigest(self) -> str: ...
+
+
+def new_digest() -> Digest:
+    """A running object digest (spec 7.1): SHA-256, fed the stored CRC-32C
+    (4 bytes, little-endian) of each inner chunk in C order of the inner grid."""
+    return hashlib.sha256()
+
+
+def digest_of_crcs(crcs: bytes) -> str:
+    """The object digest (64 lower-case hex digits) of the concatenated
+    stored CRC-32Cs of its inner chunks, in C order of the inner grid."""
+    return hashlib.sha256(crcs).hexdigest()
+
+
 # ------------------------------------------------------------------ geometry
 
 
@@ -127,7 +154,7 @@ def geometry(entry: TensorEntry) -> Geometry:
 # ------------------------------------------------------------------ encoding
 
 
-def encode(g: Geometry, data: np.ndarray, buf: np.ndarray) -> Iterator[memoryview]:
+def encode(g: Geometry, data: np.ndarray, buf: np.ndarray, digest: Digest | None = None) -> Iterator[memoryview]:
     """The stored object of one chunk, as views of ``buf`` (a uint8 array of
     at least ``g.encoded`` bytes; each view is valid until the next one is
     asked for), the index last. ``data`` holds the chunk's elements: its box
@@ -160,7 +187,10 @@ def encode(g: Geometry, data: np.ndarray, buf: np.ndarray) -> Iterator[memoryvie
         if size != inner:
             block.fill(0)  # the edge: elements outside the array are the zero fill value
         block[tuple(slice(0, n) for n in size)] = data[tuple(slice(l, l + n) for l, n in zip(lo, size))]
-        view[used + body:used + encoded] = crc(used).to_bytes(4, "little")
+        stored = crc(used).to_bytes(4, "little")
+        view[used + body:used + encoded] = stored
+        if digest is not None:
+            digest.update(stored)
         index[j] = (offset, encoded)
         used, offset = used + encoded, offset + encoded
         if used + encoded > len(buf):
@@ -176,6 +206,40 @@ def encode_bytes(g: Geometry, data: np.ndarray) -> bytes:
     """The stored object of one chunk (as :func:`encode`) as one ``bytes``."""
     buf = np.empty(max(g.encoded, g.count * g.encoded), np.uint8)  # the whole object: no piece is overwritten
     return b"".join(encode(g, data, buf))
+
+
+def chunk_digest(g: Geometry, data: np.ndarray, buf: np.ndarray | None = None) -> str:
+    """The object digest of the stored object :func:`encode` makes of
+    ``data`` (for objects TensorStore encodes and writes itself: the CRC-32Cs
+    are its, tests/test_integrity.py compares). ``buf``: a reused scratch
+    buffer of at least ``g.encoded`` bytes (None: one is allocated)."""
+    if buf is None or len(buf) < g.encoded:
+        buf = np.empty(max(g.encoded, min(g.count * g.encoded, 1 << 20)), np.uint8)
+    h = new_digest()
+    for _ in encode(g, data, buf, h):
+        pass
+    return h.hexdigest()
+
+
+def encoded_bytes(g: Geometry, data: np.ndarray) -> tuple[bytes, str]:
+    """:func:`encode_bytes` and the object's digest."""
+    buf = np.empty(max(g.encoded, g.count * g.encoded), np.uint8)
+    h = new_digest()
+    return b"".join(encode(g, data, buf, h)), h.hexdigest()
+
+
+def stored_crcs(g: Geometry, index: np.ndarray, pos: tuple[int, ...]) -> list[tuple[int, int]]:
+    """Where the stored CRC-32C of each inner chunk of the object at grid
+    position ``pos`` that intersects the array lies, in C order of the inner
+    grid: ``(linear inner index, byte offset)``; ``index`` is checked
+    (:func:`decode_index`) and its entries are checked here as
+    :func:`plan_reads` checks them."""
+    shard = chunk_box(pos, g.chunk, g.shape)
+    present = []
+    for j, which in enumerate(np.ndindex(*g.grid)):
+        if all(w * i < n for w, i, n in zip(which, g.inner, shard.shape)):
+            present.append(j)
+    return [(j, int(index[j, 0]) + g.encoded - 4) for j in present]
 
 
 # ------------------------------------------------------------------ decoding
@@ -209,6 +273,13 @@ class Reads:
     dst: list[tuple[slice, ...]]
     names: np.ndarray  # grid position of inner chunk k, for messages
     most: int  # the largest run, in bytes
+    corder: np.ndarray  # inner chunk k's rank in C order of the inner grid among those read
+    whole: bool  # every inner chunk of the object that intersects the array is read
+
+    def digest(self, crcs: bytearray) -> str:
+        """The object digest, from ``crcs``: the stored CRC-32C of inner
+        chunk ``k`` at ``4 * corder[k]`` (a whole read only)."""
+        return digest_of_crcs(bytes(crcs))
 
     def check(self, k: int, view: memoryview, addr: int, at: int) -> None:
         """Check the CRC-32C of inner chunk ``k``, held in ``view`` (whose
@@ -275,7 +346,7 @@ def plan_reads(g: Geometry, index: np.ndarray, data_end: int, pos: tuple[int, ..
     src = [tuple(map(slice, a, b)) for a, b in zip((part_lo - lo).tolist(), (part_hi - lo).tolist())]
     dst = [tuple(map(slice, a, b)) for a, b in zip((part_lo - want.offset).tolist(), (part_hi - want.offset).tolist())]
     most = max((b - a) * encoded for _, a, b in runs)
-    return Reads(where, g, crc32c_at, runs, src, dst, grid[order], most)
+    return Reads(where, g, crc32c_at, runs, src, dst, grid[order], most, order, need == shard)
 
 
 def _check_entries(g: Geometry, entries: np.ndarray, grid: np.ndarray, data_end: int, where: str) -> None:

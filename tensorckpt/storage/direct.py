@@ -186,19 +186,22 @@ class Writer:
     def close(self) -> None:
         self._pool.shutdown(wait=True)
 
-    def write(self, key: str, entry: TensorEntry, pos: tuple[int, ...], data: np.ndarray) -> Future:
+    def write(self, key: str, entry: TensorEntry, pos: tuple[int, ...], data: np.ndarray) -> Future[str]:
         """Start writing chunk ``pos`` of array ``key``; ``data`` holds the
         chunk's elements (its box clipped to the array, any strides) and
-        must stay unchanged until the future is done."""
+        must stay unchanged until the future is done. The future's result is
+        the object's digest (:func:`codec.new_digest`, spec 7.1)."""
         return _submit(self._pool, self._run, key, entry, pos, data)
 
-    def _run(self, key: str, e: TensorEntry, pos: tuple[int, ...], data: np.ndarray) -> None:
+    def _run(self, key: str, e: TensorEntry, pos: tuple[int, ...], data: np.ndarray) -> str:
         g = codec.geometry(e)
         size = max(1, BUFFER_BYTES // g.encoded) * g.encoded
         buf = getattr(self._local, "buf", None)
         if buf is None or len(buf) < size:
             buf = self._local.buf = np.empty(size, np.uint8)
-        self.objects.put(f"{key}/{chunk_key(pos)}", codec.encode(g, data, buf))
+        digest = codec.new_digest()
+        self.objects.put(f"{key}/{chunk_key(pos)}", codec.encode(g, data, buf, digest))
+        return digest.hexdigest()
 
 
 def _submit(pool: ThreadPoolExecutor, fn: Callable[..., Any], *args: Any) -> Future:
@@ -240,11 +243,13 @@ class Pool:
     def close(self) -> None:
         self._pool.shutdown(wait=True, cancel_futures=True)
 
-    def read(self, key: str, entry: TensorEntry, want: Box, dst: np.ndarray) -> list[Future]:
+    def read(self, key: str, entry: TensorEntry, want: Box, dst: np.ndarray,
+             digests: list[str] | None = None) -> list[Future]:
         """Start filling ``dst`` (shape ``want.shape``, the entry's numpy
         dtype, any strides) with the stored elements of ``want``: one future
-        per stored object it overlaps."""
-        return [_submit(self._pool, self._run, key, entry, p.chunk, want, dst)
+        per stored object it overlaps. ``digests`` (format 1.3: every chunk's,
+        C order of the grid): an object read whole is checked against its own."""
+        return [_submit(self._pool, self._run, key, entry, p.chunk, want, dst, _digest_of(entry, p.chunk, digests))
                 for p in read_plan(entry.shape, entry.chunk_shape, want)]
 
     def _run(self, *job: Any) -> None:
@@ -262,16 +267,18 @@ class Reader:
         self.objects, self.url = objects_of(root), url
         self._buf = np.empty(0, np.uint8)
 
-    def read(self, key: str, entry: TensorEntry, want: Box, dst: np.ndarray) -> None:
+    def read(self, key: str, entry: TensorEntry, want: Box, dst: np.ndarray, digests: list[str] | None = None) -> None:
         """Fill ``dst`` with the stored elements of ``want`` (as :meth:`Pool.read`, on this thread)."""
         for piece in read_plan(entry.shape, entry.chunk_shape, want):
-            self.read_object(key, entry, piece.chunk, want, dst)
+            self.read_object(key, entry, piece.chunk, want, dst, _digest_of(entry, piece.chunk, digests))
 
     # ------------------------------------------------------------ one object
 
-    def read_object(self, key: str, e: TensorEntry, pos: tuple[int, ...], want: Box, dst: np.ndarray) -> None:
+    def read_object(self, key: str, e: TensorEntry, pos: tuple[int, ...], want: Box, dst: np.ndarray,
+                    digest: str | None = None) -> None:
         """Fill the part of ``dst`` (``want``'s elements) that the stored
-        object at grid position ``pos`` holds."""
+        object at grid position ``pos`` holds; where it reads the whole
+        object, check its ``digest`` (if given; spec 7.1)."""
         rel = f"{key}/{chunk_key(pos)}"
         where = f"{self.url}/{rel}: tensor {key!r}, chunk {pos}"
         g = codec.geometry(e)
@@ -291,13 +298,17 @@ class Reader:
                 )
             index = codec.decode_index(g, obj.pread(g.index_bytes, data_end), where)
             per_buf = max(1, BUFFER_BYTES // g.encoded)
-            self._read_inner(obj, codec.plan_reads(g, index, data_end, pos, want, per_buf, where), dst)
+            self._read_inner(obj, codec.plan_reads(g, index, data_end, pos, want, per_buf, where), dst, digest)
         finally:
             obj.close()
 
-    def _read_inner(self, obj: Stored, reads: codec.Reads, dst: np.ndarray) -> None:
-        """Read, check and copy into ``dst`` the inner chunks ``reads`` names."""
+    def _read_inner(self, obj: Stored, reads: codec.Reads, dst: np.ndarray, digest: str | None = None) -> None:
+        """Read, check and copy into ``dst`` the inner chunks ``reads`` names;
+        for a whole read, compare the object's ``digest`` (if given) with the
+        one its stored CRC-32Cs give."""
         g = reads.geometry
+        crcs = bytearray(4 * len(reads.corder)) if digest is not None and reads.whole else None
+        body = g.encoded - 4
         if len(self._buf) < reads.most:
             self._buf = np.empty(reads.most, np.uint8)
         buf, addr, view = self._buf, self._buf.ctypes.data, self._buf.data
@@ -310,4 +321,21 @@ class Reader:
             for k in range(a, b):
                 at = (k - a) * encoded
                 check(k, view, addr, at)
+                if crcs is not None:
+                    j = 4 * int(reads.corder[k])
+                    crcs[j:j + 4] = view[at + body:at + body + 4]
                 dst[to[k]] = np.frombuffer(buf, g.dtype, count=g.numel, offset=at).reshape(g.inner)[src[k]]
+        if crcs is not None and reads.digest(crcs) != digest:
+            raise CorruptCheckpointError(
+                f"{reads.where}, does not have the digest its array records for this place: its inner chunks "
+                "are intact but belong elsewhere (a chunk swapped or replayed from another tensor, position "
+                "or checkpoint, or its inner chunks reordered)"
+            )
+
+
+def _digest_of(entry: TensorEntry, pos: tuple[int, ...], digests: list[str] | None) -> str | None:
+    """Chunk ``pos``'s entry of ``digests`` (C order of the grid), if any."""
+    if digests is None:
+        return None
+    grid = tuple(-(-s // c) for s, c in zip(entry.shape, entry.chunk_shape))
+    return digests[int(np.ravel_multi_index(pos, grid))] if grid else digests[0]

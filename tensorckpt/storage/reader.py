@@ -23,6 +23,7 @@ deletion overlapped raises :class:`CheckpointChangedError`
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import itertools
 import math
 import os
@@ -35,7 +36,7 @@ import numpy as np
 import tensorstore as ts
 
 from ..errors import CheckpointChangedError, CorruptCheckpointError, TensorckptError
-from ..format.arrays import check_array_metadata
+from ..format.arrays import check_array_metadata, chunk_digests
 from ..format.metadata import MAX_NODE_JSON_BYTES, RootMetadata, TensorEntry, loads
 from ..layout.boxes import Box, chunk_ranges
 from . import arrays, commit, direct, location, pinned
@@ -81,6 +82,7 @@ class StoredArrays:
         self._meta = root
         self._arrays: dict[str, ts.TensorStore] = {}
         self._checked: set[str] = set()  # arrays whose zarr.json agrees with the index
+        self._digests: dict[str, list[str]] = {}  # since 1.3: each checked array's chunk digests (spec 7.1)
         self._plain_dirs: set[str] = set()  # local directories found to be real directories, not links
 
     def close(self) -> None:
@@ -206,8 +208,28 @@ class StoredArrays:
                 raise CorruptCheckpointError(f"{where}: cannot be read ({short(e)})") from None
             if data is None:
                 raise CorruptCheckpointError(f"{where}: missing; the index lists tensor {k!r} but its array metadata is not stored")
-            check_array_metadata(loads(data, where), self._meta.tensors[k], where)
+            doc = loads(data, where)
+            check_array_metadata(doc, self._meta.tensors[k], where)  # what is malformed, named first
+            self._check_digest(k, data, where)
+            if self._meta.checkpoint_id and isinstance(doc, dict):
+                self._digests[k] = chunk_digests(doc, self._meta.tensors[k], self._meta.checkpoint_id, where)
             self._checked.add(k)
+
+    def _check_digest(self, key: str, data: bytes, where: str) -> None:
+        """Since 1.3 (spec 9.8): the array's ``zarr.json`` is the one whose
+        digest the (checksummed) root records for ``key``."""
+        want = self._meta.array_digests.get(key)
+        if self._meta.checkpoint_id and hashlib.sha256(data).hexdigest() != want:
+            raise CorruptCheckpointError(
+                f"{where}: tensor {key!r}: its array metadata is not the one this checkpoint's root records "
+                "(damaged, or an array directory swapped with another or copied from another checkpoint)"
+            )
+
+    def chunk_digests(self, key: str) -> list[str] | None:
+        """The digest of every chunk of tensor ``key`` (C order of its grid),
+        as its checked ``zarr.json`` records them; None before format 1.3."""
+        self.check_arrays([key])
+        return self._digests.get(key)
 
     def check_objects(self, key: str, region: Box) -> None:
         """Before TensorStore opens them: the stored objects of tensor ``key``

@@ -28,10 +28,10 @@ import re
 from types import ModuleType
 
 from ...errors import CorruptCheckpointError, UnsupportedVersionError
-from ..metadata import ATTRIBUTE, RootMetadata, _obj
-from . import v1_0, v1_1, v1_2
+from ..metadata import ATTRIBUTE, RootMetadata, _obj, check_seal
+from . import v1_0, v1_1, v1_2, v1_3
 
-READERS: tuple[ModuleType, ...] = (v1_0, v1_1, v1_2)  # oldest first; a new version appends its module
+READERS: tuple[ModuleType, ...] = (v1_0, v1_1, v1_2, v1_3)  # oldest first; a new version appends its module
 NEWEST: tuple[int, int] = READERS[-1].VERSION  # the version writers write
 
 _VERSION = re.compile(r"(0|[1-9][0-9]{0,4})\.(0|[1-9][0-9]{0,4})")
@@ -64,10 +64,12 @@ def reader_for(version: object, where: str = "format_version") -> ModuleType:
     return fitting[-1]
 
 
-def read_root(doc: object, where: str) -> RootMetadata:
+def read_root(doc: object, where: str, raw: bytes | None = None) -> RootMetadata:
     """Parse an untrusted root ``zarr.json`` document (spec 9.1, 9.5): the
     Zarr group envelope, then ``attributes.tensorckpt`` by the reader its
-    ``format_version`` selects. Every problem raises a tensorckpt error
+    ``format_version`` selects. ``raw``: the document's bytes, whose
+    checksum (since 1.3, spec 9.8) is checked wherever the document has one,
+    whatever version it claims. Every problem raises a tensorckpt error
     naming ``where``."""
     if not isinstance(doc, dict) or doc.get("zarr_format") != 3 or doc.get("node_type") != "group":
         raise CorruptCheckpointError(f"{where}: not a Zarr v3 group metadata document")
@@ -77,4 +79,7 @@ def read_root(doc: object, where: str) -> RootMetadata:
             f"{where}: a Zarr group, but not a tensorckpt checkpoint (no attributes.{ATTRIBUTE})"
         )
     meta = _obj(attrs[ATTRIBUTE], f"{where}: attributes.{ATTRIBUTE}")
-    return reader_for(meta.get("format_version"), where).read(meta, where)
+    root = reader_for(meta.get("format_version"), where).read(meta, where)  # what is malformed, named first
+    if raw is not None and "checksum" in meta:
+        check_seal(raw, meta["checksum"], where)
+    return root
