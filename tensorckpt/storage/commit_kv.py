@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import threading
 
-from ..errors import CheckpointExistsError
+from ..errors import CheckpointExistsError, TensorckptError
 from . import kv
 from .commit import (
     MARKER_NAME,
@@ -97,12 +97,18 @@ class RootLastCommit:
             return False
         try:
             return kv.read(c.target, ROOT_KEY) is None and kv.read(c.write_to, ROOT_KEY) is not None
-        except (OSError, ValueError):
+        except (OSError, ValueError, TensorckptError):  # the store is unreachable (a timeout): keep the copy
             return True
 
     def abort(self, c: Commit) -> None:
-        if c.staged or kv.read(c.target, ROOT_KEY) is None:
-            kv.delete_all(c.write_to)
+        """Best effort, as the local strategy's: the save fails with its own
+        error either way; what stays (the store went down) is a leftover that
+        ``clean`` removes (spec 10.5)."""
+        try:
+            if c.staged or kv.read(c.target, ROOT_KEY) is None:
+                kv.delete_all(c.write_to)
+        except (OSError, ValueError, TensorckptError):
+            pass
 
     def remove(self, loc: Location, complete: bool = True, rename_first: bool = False) -> str | None:
         if complete:
