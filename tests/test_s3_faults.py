@@ -154,3 +154,64 @@ def test_server_killed_mid_save_under_a_manager(proxied, moto):
     names = {k.split("/", 1)[0] for k in _keys(moto, root)}
     assert names == {"step-00000003"}, names
     assert _equal(tensorckpt.load(_empty(), again.step_path(3)), _state(3.0))
+
+
+# ---------------------------------------------------------------- slow and failing responses
+
+TRANSIENT = ("503", "500", "drop", "cut")  # "cut": half a response body, then the connection closes
+
+
+@pytest.mark.timeout(60)
+def test_transient_faults_and_latency_are_retried(proxied, moto):
+    """A fraction of the requests fail (each kind, on writes and reads) and
+    every request is slowed down: retried within location.S3_RETRIES, the
+    save commits and the load is bit-exact."""
+    proxy, s3 = proxied
+    url, sd = s3(), _state(n=12)
+    proxy.latency_s = 0.01
+    proxy.faults = Faults(rate=0.3, kinds=TRANSIENT[:3], methods=("PUT",), limit=6, seed=3)  # a PUT has no body to cut
+    tensorckpt.save(sd, url)
+    assert sum(proxy.faults.injected.values()) >= 3
+    proxy.faults = Faults(rate=0.3, kinds=TRANSIENT, methods=("GET",), limit=6, seed=4)
+    assert _equal(tensorckpt.load(_empty(12), url), sd)
+    assert sum(proxy.faults.injected.values()) >= 3
+    assert tensorckpt.verify(url).ok
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("kind,path", [("503", "/t5/"), ("500", "ckpt/zarr.json")], ids=["a-tensor", "the-root"])
+def test_persistent_write_faults_fail_the_save_and_commit_nothing(proxied, moto, monkeypatch, kind, path):
+    """Every write of one tensor (or of the root zarr.json: the commit) fails:
+    the save ends in a clear error once the retries are spent, commits
+    nothing, and its abort removes what it wrote."""
+    proxy, s3 = proxied
+    monkeypatch.setenv("TENSORCKPT_S3_TIMEOUT", "20")  # longer than the retries: their error is the one seen
+    url = s3()
+    proxy.faults = Faults(rate=1.0, kinds=(kind,), methods=("PUT",), path=path)
+    t = time.monotonic()
+    with pytest.raises(TensorckptError) as e:
+        tensorckpt.save(_state(n=12), url)
+    assert time.monotonic() - t < 30
+    assert url in str(e.value) and ("SlowDown" if kind == "503" else "InternalError") in str(e.value)
+    assert "retry attempts failed" in str(e.value)
+    assert _keys(moto, url) == []  # no partial commit, and nothing left behind
+    proxy.faults = Faults()
+    tensorckpt.save(_state(2.0, n=12), url)
+    assert _equal(tensorckpt.load(_empty(12), url), _state(2.0, n=12))
+
+
+@pytest.mark.timeout(60)
+def test_persistent_read_faults_fail_the_load_clearly(proxied, monkeypatch):
+    proxy, s3 = proxied
+    monkeypatch.setenv("TENSORCKPT_S3_TIMEOUT", "20")
+    url = s3()
+    tensorckpt.save(_state(n=12), url)
+    proxy.faults = Faults(rate=1.0, kinds=("cut",), methods=("GET",), path="/t7/c")
+    target = _empty(12)
+    t = time.monotonic()
+    with pytest.raises(TensorckptError) as e:
+        tensorckpt.load(target, url)
+    assert time.monotonic() - t < 30
+    assert url in str(e.value) and "t7" in str(e.value) and "partial" in str(e.value)
+    proxy.faults = Faults()
+    assert _equal(tensorckpt.load(target, url), _state(n=12))  # the same target, bit-exact once it heals
