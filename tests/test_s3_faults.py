@@ -215,3 +215,178 @@ def test_persistent_read_faults_fail_the_load_clearly(proxied, monkeypatch):
     assert url in str(e.value) and "t7" in str(e.value) and "partial" in str(e.value)
     proxy.faults = Faults()
     assert _equal(tensorckpt.load(target, url), _state(n=12))  # the same target, bit-exact once it heals
+
+
+# ---------------------------------------------------------------- bad input, before any data is written
+
+_ALLOW_ALL = '{"Version": "2012-10-17", "Statement": [{"Effect": "Allow", "Action": "*", "Resource": "*"}]}'
+
+
+@pytest.fixture(scope="module")
+def authed():
+    """A moto server of its own that checks signatures (moto's
+    INITIAL_NO_AUTH_ACTION_COUNT: the first requests, which make an IAM user
+    with an allow-all policy and its key, are the only unauthenticated
+    ones); yields (server, access key id, secret, boto3 S3 client)."""
+    import boto3
+    from s3server import MotoServer
+
+    os.environ["INITIAL_NO_AUTH_ACTION_COUNT"] = "4"  # read by the server process at its start
+    try:
+        server = MotoServer().start()
+    finally:
+        del os.environ["INITIAL_NO_AUTH_ACTION_COUNT"]
+    try:
+        iam = boto3.client("iam", endpoint_url=server.endpoint, region_name="us-east-1",
+                           aws_access_key_id="x", aws_secret_access_key="x")
+        iam.create_user(UserName="ckpt")
+        iam.put_user_policy(UserName="ckpt", PolicyName="all", PolicyDocument=_ALLOW_ALL)
+        key = iam.create_access_key(UserName="ckpt")["AccessKey"]
+        client = boto3.client("s3", endpoint_url=server.endpoint, region_name="us-east-1",
+                              aws_access_key_id=key["AccessKeyId"], aws_secret_access_key=key["SecretAccessKey"])
+        client.create_bucket(Bucket=BUCKET)
+        yield server, key["AccessKeyId"], key["SecretAccessKey"], client
+    finally:
+        server.stop()
+
+
+_WRONG_KEY_CALLS = """
+import json, sys, torch, tensorckpt
+good, bad, out = sys.argv[1:4]
+calls = [lambda: tensorckpt.save({"w": torch.ones(3)}, bad), lambda: tensorckpt.open(good),
+         lambda: tensorckpt.load({"w": torch.zeros(3)}, good)]
+msgs = []
+for call in calls:
+    try:
+        call()
+        msgs.append("no error")
+    except tensorckpt.TensorckptError as e:
+        msgs.append(str(e))
+json.dump(msgs, open(out, "w"))
+"""
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("wrong", ["secret", "key id"])
+def test_wrong_credentials(authed, s3, monkeypatch, tmp_path, wrong):
+    """A server that checks signatures refuses a wrong secret or an unknown
+    key id (403): a clear error naming the URL, the endpoint and what to set,
+    and nothing written. The wrong keys are used in a process of their own:
+    TensorStore keeps the credentials it read in its context, for the
+    process (a process that changes its keys midway is not covered)."""
+    import json
+    import subprocess
+
+    server, key_id, secret, client = authed
+    monkeypatch.setenv("AWS_ENDPOINT_URL_S3", server.endpoint)
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", key_id)
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", secret)
+    good, bad = s3("good"), s3("bad")
+    tensorckpt.save({"w": torch.ones(3)}, good)  # the right key works: the server really checks them
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    env["AWS_SECRET_ACCESS_KEY" if wrong == "secret" else "AWS_ACCESS_KEY_ID"] = (
+        "not-" + secret if wrong == "secret" else "AKIANOSUCHKEY0000000")
+    out = tmp_path / "msgs.json"
+    subprocess.run([sys.executable, "-c", _WRONG_KEY_CALLS, good, bad, str(out)], env=env, check=True, timeout=50)
+    for msg, url in zip(json.loads(out.read_text()), (bad, good, good)):
+        assert url in msg and "access denied" in msg and server.endpoint in msg and "AWS_SECRET_ACCESS_KEY" in msg, msg
+    listed = client.list_objects_v2(Bucket=BUCKET, Prefix=bad.removeprefix(f"s3://{BUCKET}/"))
+    assert listed.get("KeyCount", 0) == 0  # nothing was written
+
+
+@pytest.mark.timeout(30)
+def test_missing_bucket_writes_nothing(proxied, moto):
+    proxy, _ = proxied
+    url = f"s3://no-such-bucket-{os.getpid()}/run/ckpt"
+    with pytest.raises(TensorckptError) as e:
+        tensorckpt.save(_state(n=2), url)
+    msg = str(e.value)
+    assert url in msg and "does not exist" in msg and proxy.endpoint in msg and "create it" in msg
+    assert proxy.requests["PUT"] == 0  # refused at its first request, a listing: no object, no bucket made
+    assert f"no-such-bucket-{os.getpid()}" not in {b["Name"] for b in moto.client().list_buckets()["Buckets"]}
+
+
+@pytest.mark.parametrize("url", ["s3://", "s3://Bad_Bucket/c", "s3://bkt", "s3://bkt/a/../b", "s3://bkt/c?versionId=1"])
+@pytest.mark.timeout(30)
+def test_malformed_url_sends_nothing(proxied, url):
+    proxy, _ = proxied
+    for call in (lambda: tensorckpt.save({"w": torch.ones(3)}, url), lambda: tensorckpt.open(url),
+                 lambda: tensorckpt.CheckpointManager(url), lambda: tensorckpt.clean(url)):
+        with pytest.raises(tensorckpt.InvalidPathError, match="s3://bucket/prefix/name"):
+            call()
+    assert sum(proxy.requests.values()) == 0  # refused before any request
+
+
+@pytest.mark.timeout(30)
+def test_endpoint_refusing_connections(s3, monkeypatch):
+    from s3server import free_port
+
+    endpoint = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+    monkeypatch.setenv("AWS_ENDPOINT_URL_S3", endpoint)
+    url = s3()
+    t = time.monotonic()
+    with pytest.raises(TensorckptError) as e:
+        tensorckpt.save(_state(n=2), url)
+    assert time.monotonic() - t < 20  # the retries' bound (~7 s), not the timeout
+    msg = str(e.value)
+    assert url in msg and "cannot connect" in msg and endpoint in msg and "AWS_ENDPOINT_URL_S3" in msg, msg
+
+
+# ---------------------------------------------------------------- hostile objects on S3
+
+_HOSTILE_READS = """
+import sys, torch, tensorckpt
+from tensorckpt.errors import CorruptCheckpointError
+for url, key, n in ((sys.argv[1], "w", 8), (sys.argv[2], "big", 64 * 64)):
+    for name, f in [("read", lambda: tensorckpt.open(url).read(key)),
+                    ("load", lambda: tensorckpt.load({key: torch.zeros(n)}, url)),
+                    ("to_state_dict", lambda: tensorckpt.open(url).to_state_dict())]:
+        try:
+            f()
+            print(name, "ACCEPTED")
+        except CorruptCheckpointError as e:
+            print(name, "refused", "need at least" in str(e) or "more than its inner chunks" in str(e))
+    print("verify", tensorckpt.verify(url).ok)
+"""
+
+
+def _forge_s3(moto, url: str, key: str, entry) -> None:
+    """Make the root index and the array zarr.json on S3 agree on ``entry`` (tests/test_hostile.py's _forge)."""
+    import json
+
+    from tensorckpt.storage import arrays
+
+    client, prefix = moto.client(), url.removeprefix(f"s3://{BUCKET}/")
+    root = json.loads(client.get_object(Bucket=BUCKET, Key=f"{prefix}/zarr.json")["Body"].read())
+    root["attributes"]["tensorckpt"]["tensors"][key] = entry.to_json()
+    client.put_object(Bucket=BUCKET, Key=f"{prefix}/zarr.json", Body=json.dumps(root).encode())
+    client.put_object(Bucket=BUCKET, Key=f"{prefix}/{key}/zarr.json", Body=arrays.zarr_json(entry))
+
+
+@pytest.mark.timeout(90)
+def test_hostile_objects_are_refused_before_they_are_fetched(proxied, moto):
+    """A forged 1 TiB inner chunk (root and array metadata agree) and a chunk
+    object far larger than its index allows: read, load, to_state_dict and
+    verify refuse both by the sizes S3 gives, without fetching the object or
+    allocating what the metadata claims (run in a child process: an abort in
+    TensorStore must fail this test, not end the test run)."""
+    import subprocess
+
+    from tensorckpt.format.metadata import TensorEntry
+
+    proxy, s3 = proxied
+    forged, planted = s3("forged"), s3("planted")
+    tensorckpt.save({"w": torch.ones(8)}, forged)
+    _forge_s3(moto, forged, "w", TensorEntry("float32", (8,), (2**38,), (2**38,)))
+    tensorckpt.save({"big": torch.randn(64 * 64)}, planted)
+    (chunk,) = [k for k in _keys(moto, planted) if k.startswith("big/c/")]
+    moto.client().put_object(Bucket=BUCKET, Key=f"{planted.removeprefix(f's3://{BUCKET}/')}/{chunk}",
+                             Body=os.urandom(8 << 20))  # 8 MiB where at most ~16 KiB can be
+    proxy.reset_counts()
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    r = subprocess.run([sys.executable, "-c", _HOSTILE_READS, forged, planted], env=env, capture_output=True,
+                       text=True, timeout=80, check=False)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.split() == ["read", "refused", "True", "load", "refused", "True", "to_state_dict", "refused",
+                                "True", "verify", "False"] * 2, r.stdout
+    assert proxy.bytes_out < 1 << 20  # the 8 MiB object was never fetched (verify included)

@@ -21,6 +21,7 @@ conditional create.
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 
 from ..errors import CheckpointExistsError, TensorckptError
 from . import kv
@@ -44,8 +45,10 @@ class RootLastCommit:
     """Spec 10.3: every object first, the root ``zarr.json`` last; ``claim``:
     a new location is claimed first (module docstring)."""
 
-    def __init__(self, claim: bool = False) -> None:
+    def __init__(self, claim: bool = False,
+                 error: Callable[[Location, ValueError, str], TensorckptError] | None = None) -> None:
         self.claim = claim
+        self.error = error  # the backend's storage error as what to fix (S3: tskv.s3_error)
 
     def describe_foreign(self, target: Location) -> str | None:
         keys = [k for k in kv.list_keys(target) if k != MARKER_NAME]
@@ -67,11 +70,19 @@ class RootLastCommit:
         return None
 
     def begin(self, target: Location, staging: Location, exists: bool) -> Commit:
-        if self.claim and not exists and not kv.create(target, MARKER_NAME, b""):
+        if self.claim and not exists and not self._claim(target):
             raise CheckpointExistsError(
                 f"{target}: another save is writing a checkpoint here (concurrent saves to one path are not "
                 "supported, spec 10.1); this save wrote nothing. Save to another path, or again with overwrite=True")
         return Commit(target, staging if exists else target, replacing=exists)
+
+    def _claim(self, target: Location) -> bool:
+        try:
+            return kv.create(target, MARKER_NAME, b"")
+        except ValueError as e:  # the save's first write: a refusal (403, ...) is reported as what to fix
+            if self.error is None:
+                raise
+            raise self.error(target, e, "claiming the location (the save's first write)") from e
 
     def finish(self, c: Commit, root_json: bytes) -> None:
         if not c.staged:  # a new checkpoint in place: the root only if no other save committed one
