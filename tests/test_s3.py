@@ -381,4 +381,8 @@ def test_cli(s3, capsys):
     assert main(["verify", url]) == 0
     assert main(["list", root]) == 0 and "7" in capsys.readouterr().out
     assert main(["clean", url, "--older-than", "0"]) == 0
-    # `validate` (conformance/validate.py, the independent checker) reads local directories only
+    # `validate` (conformance/validate.py, the independent checker) reads local directories only: it says so
+    capsys.readouterr()
+    assert main(["validate", url]) == 2
+    out = capsys.readouterr().out
+    assert url in out and "local directories only" in out and "tensorckpt verify" in out, out
