@@ -17,9 +17,9 @@ import tensorckpt
 from tensorckpt import TensorckptError
 
 sys.path.insert(0, os.path.dirname(__file__))
-import dist  # noqa: E402
-from s3proxy import S3Proxy  # noqa: E402
-from test_s3_faults import _keys, kill_after  # noqa: E402
+import dist
+from s3proxy import S3Proxy
+from test_s3_faults import _keys, kill_after
 
 pytestmark = pytest.mark.usefixtures("fresh_plan_cache")
 
@@ -79,10 +79,10 @@ def _net() -> torch.nn.Module:
 
 
 def _fsdp2_and_legacy(rank: int, world: int, base: str) -> bool:
+    from test_strided_dist import legacy_tensor
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import Shard, distribute_tensor
-    from test_strided_dist import legacy_tensor
 
     mesh = init_device_mesh("cpu", (world,))
     m = fully_shard(_net(), mesh=mesh)

@@ -127,6 +127,19 @@ class RootLastCommit:
         kv.delete_all(loc)
         return None
 
+    def promote(self, copy: Location, target: Location) -> bool:
+        root = kv.read(copy, ROOT_KEY)  # as a replace commits (10.3): the root zarr.json last
+        if root is None:
+            return False  # gone since it was checked (removed by another process): nothing to recover
+        kv.delete_all(target)
+        kv.copy_all(copy, target, skip=(ROOT_KEY,))
+        kv.write(target, ROOT_KEY, root)
+        self.remove(copy)
+        return True
+
+    def retire(self, loc: Location, trash: Location) -> None:
+        self.remove(loc)  # root zarr.json first: uncommitted before any of its data goes
+
     def leftovers(self, target: Location) -> list[Location]:
         prefix = f".{target.name}{STAGING_INFIX}"
         names = {k.split("/", 1)[0] for k in kv.list_keys(target.sibling("")) if k.startswith(prefix)}

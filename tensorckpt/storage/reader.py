@@ -250,7 +250,7 @@ class StoredArrays:
         per checkpoint version for all its objects: one round trip per load,
         not one per tensor. A missing object is the reader's to report."""
         if self._sizes is None:
-            self._sizes = {k: n for k, n in _object_sizes(self._read, "")}
+            self._sizes = dict(_object_sizes(self._read, ""))
         if math.prod(len(s) for s in spans) > 4096:
             positions: Iterable[tuple[int, ...]] = (
                 pos for pos in self.chunk_objects(key) if all(p in s for p, s in zip(pos, spans)))

@@ -70,6 +70,9 @@ class KvStore:
     def age(self, loc: Location) -> float | None:
         return None
 
+    def committed_at(self, loc: Location) -> float | None:
+        return None
+
     def delete(self, loc: Location, key: str) -> None:
         kv.delete(loc, key)
 
@@ -156,6 +159,8 @@ class S3Store(KvStore):
             except ValueError as e:
                 if "NOT_FOUND" in str(e) and "NoSuchKey" in str(e):
                     continue  # deleted since the listing
+                if "OUT_OF_RANGE" not in str(e):  # not the 416 asked for: the request failed (retries spent)
+                    raise s3_error(loc, e, f"reading the size of {prefix}/{name}") from e
                 m = _ACTUAL_SIZE.search(str(e))
                 size = int(m.group(1)) if m else None
             if size is None:
