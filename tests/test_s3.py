@@ -317,6 +317,9 @@ def test_zarr_python_reads_it(s3, moto):
     h = zarr.open_array(ObjectStore(store, read_only=True), path="h", mode="r")
     raw = np.asarray(h[...])
     assert raw.tobytes() == sd["h"].view(torch.int16).numpy().tobytes()
+    assert np.asarray(h[10:20, 100:350]).tobytes() == sd["h"][10:20, 100:350].view(torch.int16).numpy().tobytes()
+    w = zarr.open_array(ObjectStore(store, read_only=True), path="w", mode="r")
+    assert np.array_equal(np.asarray(w[...]), sd["w"].numpy())  # float32, bit for bit
 
 
 # ---------------------------------------------------------------- distributed
