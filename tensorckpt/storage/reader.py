@@ -217,7 +217,9 @@ class StoredArrays:
         checkpoint) and blocks forever on a FIFO; a writer makes neither.
         A file larger than its inner chunks and index can take is refused
         too: TensorStore reads the span of the ranges it wants in one
-        allocation, which a forged sparse file makes abort the process."""
+        allocation, which a forged sparse file makes abort the process. On
+        an object store other processes write (S3) the sizes are checked
+        the same way, as the store gives them (:meth:`_check_stored_sizes`)."""
         self._check_open()
         if not self._fs and not self._backend.shared:
             return  # memory://: only what this process wrote
