@@ -389,3 +389,19 @@ def test_cli(s3, capsys):
     assert main(["validate", url]) == 2
     out = capsys.readouterr().out
     assert url in out and "local directories only" in out and "tensorckpt verify" in out, out
+
+
+def test_manager_recovers_a_complete_staged_copy(s3, moto):
+    """A replace of step 2 killed after it deleted the old step (10.3): the
+    whole new checkpoint sits at its staging prefix, the target holds part
+    of a copy; the manager (grace=0: S3 gives no ages) commits the staged
+    copy root-last and removes the staging prefix."""
+    root = s3("run")
+    mgr = tensorckpt.CheckpointManager(root, reader_grace=0, grace=0)
+    mgr.save(1, _state(1.0))
+    tensorckpt.save(_state(2.0), f"{root}/.step-00000002.tensorckpt-staging-dddddddddddd")
+    kv.write(location.parse(f"{root}/step-00000002"), "w/c/0/0", b"partial copy")
+    mgr.prune()
+    out = _empty()
+    assert mgr.restore(out) == 2 and _equal(out, _state(2.0))
+    assert not [k for k in _keys(moto, root) if k.startswith(".")]
