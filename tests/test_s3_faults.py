@@ -64,6 +64,16 @@ def proxied(moto, s3, monkeypatch):
         yield proxy, s3
 
 
+@pytest.fixture
+def fast_retries(monkeypatch):
+    """The retries of location.S3_RETRIES, 8x faster (~1 s in all), for the
+    tests of what happens once they are spent; test_endpoint_refusing_connections
+    keeps the real bound."""
+    from tensorckpt.storage import location
+
+    monkeypatch.setattr(location, "S3_RETRIES", {"max_retries": 5, "initial_delay": "0.025s", "max_delay": "0.5s"})
+
+
 def kill_after(proxy: S3Proxy, puts: int) -> threading.Thread:
     """Kill the server (the proxy) once ``puts`` more PUT requests have passed."""
     start = proxy.requests["PUT"]
@@ -88,7 +98,7 @@ def _uncommitted(moto, url: str) -> None:
 
 
 @pytest.mark.timeout(60)
-def test_server_killed_mid_save(proxied, moto):
+def test_server_killed_mid_save(proxied, moto):  # real retries, outlasting the timeout: pending writes cancelled
     proxy, s3 = proxied
     url = s3()
     kill_after(proxy, 8)
@@ -98,12 +108,14 @@ def test_server_killed_mid_save(proxied, moto):
     assert time.monotonic() - t < 30
     assert url in str(e.value) and "writ" in str(e.value)  # the URL and the operation
     proxy.revive()
+    left = _keys(moto, url)
+    time.sleep(4)  # within the retries of its writes still pending when it failed: they were cancelled
+    assert _keys(moto, url) == left  # ... so none lands later (in a checkpoint saved there since)
     _uncommitted(moto, url)
     with pytest.raises(tensorckpt.IncompleteCheckpointError):
         tensorckpt.open(url)
     _clean_removes_leftovers(moto, url)
     tensorckpt.save(_state(2.0), url)  # the location is usable again
-    time.sleep(1)  # the killed save's writes were cancelled: none of them lands in this checkpoint later
     assert _equal(tensorckpt.load(_empty(), url), _state(2.0))
 
 
@@ -121,7 +133,7 @@ def _clean_removes_leftovers(moto, url: str) -> None:
 
 
 @pytest.mark.timeout(60)
-def test_server_killed_mid_async_save(proxied, moto):
+def test_server_killed_mid_async_save(proxied, moto, fast_retries):
     proxy, s3 = proxied
     url = s3()
     kill_after(proxy, 8)
@@ -135,7 +147,7 @@ def test_server_killed_mid_async_save(proxied, moto):
 
 
 @pytest.mark.timeout(90)
-def test_server_killed_mid_save_under_a_manager(proxied, moto):
+def test_server_killed_mid_save_under_a_manager(proxied, moto, fast_retries):
     proxy, s3 = proxied
     root = s3("run")
     mgr = tensorckpt.CheckpointManager(root, keep_last=1, reader_grace=0, grace=0)
@@ -180,7 +192,8 @@ def test_transient_faults_and_latency_are_retried(proxied, moto):
 
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("kind,path", [("503", "/t5/"), ("500", "ckpt/zarr.json")], ids=["a-tensor", "the-root"])
-def test_persistent_write_faults_fail_the_save_and_commit_nothing(proxied, moto, monkeypatch, kind, path):
+def test_persistent_write_faults_fail_the_save_and_commit_nothing(proxied, moto, monkeypatch, fast_retries, kind,
+                                                                   path):
     """Every write of one tensor (or of the root zarr.json: the commit) fails:
     the save ends in a clear error once the retries are spent, commits
     nothing, and its abort removes what it wrote."""
@@ -201,7 +214,7 @@ def test_persistent_write_faults_fail_the_save_and_commit_nothing(proxied, moto,
 
 
 @pytest.mark.timeout(60)
-def test_persistent_read_faults_fail_the_load_clearly(proxied, monkeypatch):
+def test_persistent_read_faults_fail_the_load_clearly(proxied, monkeypatch, fast_retries):
     proxy, s3 = proxied
     monkeypatch.setenv("TENSORCKPT_S3_TIMEOUT", "20")
     url = s3()
