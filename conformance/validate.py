@@ -312,6 +312,10 @@ def validate(path: str | os.PathLike) -> Report:
     text = text.removeprefix("file://") if text.startswith("file://") else text
     report = Report(text)
     try:
+        if re.match(r"[A-Za-z][A-Za-z0-9+.-]*://", text):  # s3://, memory://, ...: no storage client here
+            raise Fatal("unsupported", f"{text}: the validator reads local directories only (it imports no storage "
+                        "client): copy the checkpoint to a local directory (e.g. `aws s3 cp --recursive URL DIR`) "
+                        "and validate that, or check it in place with `tensorckpt verify URL`")
         _validate(os.path.realpath(text) if os.path.isdir(text) else text, report)
     except Fatal as f:
         if f.status != "violations":

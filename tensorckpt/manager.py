@@ -42,7 +42,6 @@ overlaps a save of this manager. It:
 from __future__ import annotations
 
 import concurrent.futures
-import errno
 import os
 import re
 import stat
@@ -417,22 +416,7 @@ class CheckpointManager:
         if not whole or any(too_young(age_of(x), self.grace) for x in e.leftovers):
             return False
         best = sorted(whole, key=lambda x: (x.name.endswith("-old"), x.name))[0]
-        target = self._loc(step)
-        if self._fs:
-            if os.path.lexists(target.path) or not _is_dir(best.path):
-                return False  # not made by a save (spec 10.5 rule 1), or no longer a directory: left alone
-            if commit.renameat2(best.path, target.path, commit.RENAME_NOREPLACE) in (errno.EINVAL, errno.ENOSYS):
-                os.rename(best.path, target.path)
-            kv.fsync_dir(self.root.path)
-        else:  # as a replace commits on an object store (10.3): the root zarr.json last
-            root = kv.read(best, commit.ROOT_KEY)
-            if root is None:
-                return False  # gone since it was checked (removed by another process): nothing to recover
-            kv.delete_all(target)
-            kv.copy_all(best, target, skip=(commit.ROOT_KEY,))
-            kv.write(target, commit.ROOT_KEY, root)
-            _remove(best)
-        return True
+        return commit.promote(best, self._loc(step))
 
     def _busy(self) -> set[int]:
         """Steps this manager is saving now (never cleaned up under them)."""
@@ -444,15 +428,7 @@ class CheckpointManager:
         delete it, root ``zarr.json`` first; on object stores, delete the root
         ``zarr.json`` first (the step is then uncommitted), then the rest."""
         loc = self._loc(step)
-        if self._fs:
-            if not _is_dir(loc.path):
-                raise TensorckptError(f"{loc}: not a directory (a link?): left alone")
-            trash = self._child(f".{loc.name}{RETIRED_INFIX}{commit.new_token()}")
-            os.rename(loc.path, trash.path)
-            kv.fsync_dir(self.root.path)
-            _remove(trash)
-        else:
-            _remove(loc)
+        commit.retire(loc, self._child(f".{loc.name}{RETIRED_INFIX}{commit.new_token()}"))
         self._seen.pop(step, None)
 
     def _commit_time(self, step: int) -> float | None:
@@ -460,16 +436,8 @@ class CheckpointManager:
         the latest mtime/ctime of its root ``zarr.json`` and directory; other
         stores keep no times: when this manager first saw it committed."""
         loc = self._loc(step)
-        if backend_for(loc).records_times:
-            t = 0.0
-            for p in (os.path.join(loc.path, commit.ROOT_KEY), loc.path):
-                try:
-                    st = os.lstat(p)
-                except FileNotFoundError:
-                    return None
-                t = max(t, st.st_mtime, st.st_ctime)
-            return t
-        return self._seen.get(step)
+        backend = backend_for(loc)
+        return backend.committed_at(loc) if backend.records_times else self._seen.get(step)
 
     # ------------------------------------------------------------ listing
 
@@ -529,14 +497,6 @@ def _valid_root(loc: location.Location) -> bool:
 def _remove(loc: location.Location) -> None:
     """Delete a checkpoint location, its root ``zarr.json`` first, never through a link."""
     commit.remove(loc)
-
-
-def _is_dir(path: str) -> bool:
-    """A real directory (not a link to one)."""
-    try:
-        return stat.S_ISDIR(os.lstat(path).st_mode)
-    except OSError:
-        return False
 
 
 def _check_root(root: location.Location) -> None:

@@ -129,6 +129,9 @@ class _Server(http.server.ThreadingHTTPServer):
     daemon_threads = True
     request_queue_size = 128
 
+    def handle_error(self, request: object, client_address: object) -> None:
+        pass  # a client or the proxy itself cut the connection (kill, drop, cut): expected, not worth a traceback
+
 
 def _handler(proxy: S3Proxy) -> type[http.server.BaseHTTPRequestHandler]:
     class Handler(http.server.BaseHTTPRequestHandler):

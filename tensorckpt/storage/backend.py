@@ -18,7 +18,8 @@ Who calls what, in which order:
   :meth:`Backend.sizes` to bound what a read may allocate, and
   :meth:`Backend.chunk_reader` (or TensorStore arrays where it gives None);
 - ``clean`` and the manager: :meth:`Backend.names`, :meth:`Backend.age`,
-  :meth:`Backend.exists` and the strategy's ``leftovers`` / ``remove``.
+  :meth:`Backend.committed_at`, :meth:`Backend.exists` and the strategy's
+  ``leftovers`` / ``remove`` / ``promote`` / ``retire``.
 
 The backends: :mod:`.local` (``file``), :mod:`.tskv` (``memory``, ``s3``:
 TensorStore kvstores) and :mod:`.fsspec` (``fsspec``: every other file
@@ -86,6 +87,9 @@ class Backend(Protocol):
         None: not a plain object (a link, FIFO or device)."""
     def age(self, loc: Location) -> float | None:
         """Seconds since anything under ``loc`` changed; None: unknown."""
+    def committed_at(self, loc: Location) -> float | None:
+        """When the checkpoint at ``loc`` was committed (an upper bound, a
+        time.time()); None: unknown (no times kept, or no root)."""
     def delete(self, loc: Location, key: str) -> None: ...
     def delete_all(self, loc: Location) -> None: ...
     def prepare(self, loc: Location) -> None:

@@ -96,6 +96,10 @@ class CommitStrategy(Protocol):
         """Delete a checkpoint location, root first (see :func:`remove`)."""
     def leftovers(self, target: Location) -> list[Location]:
         """Staging locations of interrupted saves to ``target``."""
+    def promote(self, copy: Location, target: Location) -> bool:
+        """Commit the complete staged ``copy`` at the uncommitted ``target`` (see :func:`promote`)."""
+    def retire(self, loc: Location, trash: Location) -> None:
+        """Delete committed ``loc`` so that no reader sees part of it (see :func:`retire`)."""
 
 
 def os_error(path: object, e: OSError, doing: str) -> TensorckptError:
@@ -243,3 +247,20 @@ def leftovers(target: Location) -> list[Location]:
     """Staging locations of interrupted saves to ``target`` (local: every name
     with the staging prefix, links included; callers never follow them)."""
     return backend_for(target).commit.leftovers(target)
+
+
+def promote(copy: Location, target: Location) -> bool:
+    """Move a complete copy left at a staging name into place at the
+    uncommitted ``target``, as a commit would (spec 10.5: the manager's
+    recovery): locally a no-replace rename, on object stores a copy with the
+    root ``zarr.json`` written last. False: left alone (``target`` exists
+    locally, or ``copy`` is no longer a directory, or has no root any more)."""
+    return backend_for(target).commit.promote(copy, target)
+
+
+def retire(loc: Location, trash: Location) -> None:
+    """Delete the committed checkpoint ``loc`` so that no reader ever sees
+    part of it: locally renamed to ``trash`` first (readers then find
+    nothing), then deleted, root ``zarr.json`` first; on object stores the
+    root ``zarr.json`` is deleted first (``trash`` unused)."""
+    backend_for(loc).commit.retire(loc, trash)

@@ -21,8 +21,9 @@ conditional create.
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 
-from ..errors import CheckpointExistsError
+from ..errors import CheckpointExistsError, TensorckptError
 from . import kv
 from .commit import (
     MARKER_NAME,
@@ -44,8 +45,10 @@ class RootLastCommit:
     """Spec 10.3: every object first, the root ``zarr.json`` last; ``claim``:
     a new location is claimed first (module docstring)."""
 
-    def __init__(self, claim: bool = False) -> None:
+    def __init__(self, claim: bool = False,
+                 error: Callable[[Location, ValueError, str], TensorckptError] | None = None) -> None:
         self.claim = claim
+        self.error = error  # the backend's storage error as what to fix (S3: tskv.s3_error)
 
     def describe_foreign(self, target: Location) -> str | None:
         keys = [k for k in kv.list_keys(target) if k != MARKER_NAME]
@@ -67,11 +70,19 @@ class RootLastCommit:
         return None
 
     def begin(self, target: Location, staging: Location, exists: bool) -> Commit:
-        if self.claim and not exists and not kv.create(target, MARKER_NAME, b""):
+        if self.claim and not exists and not self._claim(target):
             raise CheckpointExistsError(
                 f"{target}: another save is writing a checkpoint here (concurrent saves to one path are not "
                 "supported, spec 10.1); this save wrote nothing. Save to another path, or again with overwrite=True")
         return Commit(target, staging if exists else target, replacing=exists)
+
+    def _claim(self, target: Location) -> bool:
+        try:
+            return kv.create(target, MARKER_NAME, b"")
+        except ValueError as e:  # the save's first write: a refusal (403, ...) is reported as what to fix
+            if self.error is None:
+                raise
+            raise self.error(target, e, "claiming the location (the save's first write)") from e
 
     def finish(self, c: Commit, root_json: bytes) -> None:
         if not c.staged:  # a new checkpoint in place: the root only if no other save committed one
@@ -97,18 +108,37 @@ class RootLastCommit:
             return False
         try:
             return kv.read(c.target, ROOT_KEY) is None and kv.read(c.write_to, ROOT_KEY) is not None
-        except (OSError, ValueError):
+        except (OSError, ValueError, TensorckptError):  # the store is unreachable (a timeout): keep the copy
             return True
 
     def abort(self, c: Commit) -> None:
-        if c.staged or kv.read(c.target, ROOT_KEY) is None:
-            kv.delete_all(c.write_to)
+        """Best effort, as the local strategy's: the save fails with its own
+        error either way; what stays (the store went down) is a leftover that
+        ``clean`` removes (spec 10.5)."""
+        try:
+            if c.staged or kv.read(c.target, ROOT_KEY) is None:
+                kv.delete_all(c.write_to)
+        except (OSError, ValueError, TensorckptError):
+            pass
 
     def remove(self, loc: Location, complete: bool = True, rename_first: bool = False) -> str | None:
         if complete:
             kv.delete(loc, ROOT_KEY)
         kv.delete_all(loc)
         return None
+
+    def promote(self, copy: Location, target: Location) -> bool:
+        root = kv.read(copy, ROOT_KEY)  # as a replace commits (10.3): the root zarr.json last
+        if root is None:
+            return False  # gone since it was checked (removed by another process): nothing to recover
+        kv.delete_all(target)
+        kv.copy_all(copy, target, skip=(ROOT_KEY,))
+        kv.write(target, ROOT_KEY, root)
+        self.remove(copy)
+        return True
+
+    def retire(self, loc: Location, trash: Location) -> None:
+        self.remove(loc)  # root zarr.json first: uncommitted before any of its data goes
 
     def leftovers(self, target: Location) -> list[Location]:
         prefix = f".{target.name}{STAGING_INFIX}"

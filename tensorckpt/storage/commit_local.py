@@ -111,6 +111,21 @@ class AtomicRenameCommit:
     def remove(self, loc: Location, complete: bool = True, rename_first: bool = False) -> str | None:
         return _remove(loc, complete, rename_first)
 
+    def promote(self, copy: Location, target: Location) -> bool:
+        if os.path.lexists(target.path) or not _is_dir(copy.path):
+            return False  # not made by a save (spec 10.5 rule 1), or no longer a directory: left alone
+        if renameat2(copy.path, target.path, RENAME_NOREPLACE) in (errno.EINVAL, errno.ENOSYS):
+            os.rename(copy.path, target.path)
+        kv.fsync_dir(os.path.dirname(target.path))
+        return True
+
+    def retire(self, loc: Location, trash: Location) -> None:
+        if not _is_dir(loc.path):
+            raise TensorckptError(f"{loc}: not a directory (a link?): left alone")
+        os.rename(loc.path, trash.path)
+        kv.fsync_dir(os.path.dirname(loc.path))
+        _remove(trash)
+
     def leftovers(self, target: Location) -> list[Location]:
         prefix = f".{target.name}{STAGING_INFIX}"
         try:
@@ -118,6 +133,14 @@ class AtomicRenameCommit:
         except FileNotFoundError:
             return []
         return [target.sibling(n) for n in sorted(names) if n.startswith(prefix)]
+
+
+def _is_dir(path: str) -> bool:
+    """A real directory (not a link to one)."""
+    try:
+        return stat.S_ISDIR(os.lstat(path).st_mode)
+    except OSError:
+        return False
 
 
 def _local_leftover(path: str, limit: int = 1_000_000) -> bool:

@@ -224,7 +224,11 @@ def write_many_async(loc: Location, objects: dict[str, bytes]) -> Callable[[], N
     futures = [store.write(k, v) for k, v in objects.items()]
 
     def wait() -> None:
-        for f in futures:
-            result(loc, f, "writing")
+        try:
+            for f in futures:
+                result(loc, f, "writing")
+        finally:  # after a failure the rest must not land later, in a checkpoint saved since (a no-op once done)
+            for f in futures:
+                f.cancel()
 
     return wait

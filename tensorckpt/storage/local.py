@@ -97,6 +97,17 @@ class LocalFileSystem:
                 return None
         return max(0.0, time.time() - newest)
 
+    def committed_at(self, loc: Location) -> float | None:
+        """The latest mtime / ctime of the root ``zarr.json`` and of the directory."""
+        t = 0.0
+        for p in (os.path.join(loc.path, "zarr.json"), loc.path):
+            try:
+                st = os.lstat(p)
+            except FileNotFoundError:
+                return None
+            t = max(t, st.st_mtime, st.st_ctime)
+        return t
+
     def delete(self, loc: Location, key: str) -> None:
         kv.delete(loc, key)
 

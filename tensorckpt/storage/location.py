@@ -92,8 +92,10 @@ FSSPEC_PREFIX = "fsspec+"
 FSSPEC_STORES = ("gs", "hdfs", "abfs", "az", "gcs", "abfss", "adl", "webhdfs", "viewfs", "oss", "sftp", "ssh",
                  "smb", "ftp", "dbfs", "oci", "ocilake", "tos", "tosfs", "s3a", "lakefs")
 S3_DEFAULT_REGION = "us-east-1"
-# S3 retries transient failures (503 SlowDown, dropped connections, refused connections) this often,
-# with backoff (0.2, 0.4, ... s): a persistent failure ends in an error after ~6 s, not minutes
+# S3 retries transient failures (503 SlowDown, 500, dropped connections, cut bodies, refused connections)
+# this often, waiting 0.2, 0.4, 0.8, 1.6, 3.2 s (+ up to 0.2 s jitter each) between the 6 attempts: a
+# persistent failure ends in "All 5 retry attempts failed: ..." after ~7 s (6.2-7.2 s of waits plus the
+# requests), not minutes (tests/test_s3_faults.py). TENSORCKPT_S3_TIMEOUT should exceed that bound.
 S3_RETRIES = {"max_retries": 5, "initial_delay": "0.2s", "max_delay": "4s"}
 _BUCKET_CHARS = frozenset("abcdefghijklmnopqrstuvwxyz0123456789.-")
 

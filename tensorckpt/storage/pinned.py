@@ -110,8 +110,8 @@ class Pin:
         bytes or None if absent). Refused, without reading it, when larger than
         ``limit`` bytes, or, locally, when it or a directory above it is not a
         plain file or directory (a link, FIFO or device)."""
-        if not self.local:
-            return read_remote(self.loc, key, limit, where)
+        if not self.local:  # through the backend: its errors say what to fix (S3: credentials, bucket, endpoint)
+            return backend_for(self.loc).read(self.loc, key, limit, where)
         data = read_local(self.fd if self.fd is not None else self.loc.path, key, limit, where)
         if not self.pinned and key == "zarr.json" and self.fd is not None:
             st = os.fstat(self.fd)

@@ -84,6 +84,7 @@ class StoredArrays:
         self._checked: set[str] = set()  # arrays whose zarr.json agrees with the index
         self._digests: dict[str, list[str]] = {}  # since 1.3: each checked array's chunk digests (spec 7.1)
         self._plain_dirs: set[str] = set()  # local directories found to be real directories, not links
+        self._sizes: dict[str, int | None] | None = None  # a shared object store: every object's size, asked once
 
     def close(self) -> None:
         """Release the hold on the version read (a directory descriptor
@@ -238,13 +239,18 @@ class StoredArrays:
         checkpoint) and blocks forever on a FIFO; a writer makes neither.
         A file larger than its inner chunks and index can take is refused
         too: TensorStore reads the span of the ranges it wants in one
-        allocation, which a forged sparse file makes abort the process."""
+        allocation, which a forged sparse file makes abort the process. On
+        an object store other processes write (S3) the sizes are checked
+        the same way, as the store gives them (:meth:`_check_stored_sizes`)."""
         self._check_open()
-        if not self._fs:
-            return
+        if not self._fs and not self._backend.shared:
+            return  # memory://: only what this process wrote
         e = self._meta.tensors[key]
         spans = chunk_ranges(region, e.chunk_shape, e.shape)
         if math.prod(len(s) for s in spans) == 0:
+            return
+        if not self._fs:  # an object store others write (S3): the same bounds, before TensorStore fetches anything
+            self._check_stored_sizes(key, spans)
             return
         if math.prod(len(s) for s in spans) > 4096:  # many objects: one listing, proportional to what is stored
             for pos, size in self.chunk_objects(key).items():
@@ -261,6 +267,23 @@ class StoredArrays:
             st = self._lstat_is(rel, stat.S_ISREG, key)
             if st is not None:
                 self._check_size(key, pos, st.st_size)
+
+    def _check_stored_sizes(self, key: str, spans: list[range]) -> None:
+        """The sizes of an object store's objects, asked of the store without
+        fetching them (S3: one tiny ranged request each, all at once), once
+        per checkpoint version for all its objects: one round trip per load,
+        not one per tensor. A missing object is the reader's to report."""
+        if self._sizes is None:
+            self._sizes = dict(_object_sizes(self._read, ""))
+        if math.prod(len(s) for s in spans) > 4096:
+            positions: Iterable[tuple[int, ...]] = (
+                pos for pos in self.chunk_objects(key) if all(p in s for p, s in zip(pos, spans)))
+        else:
+            positions = itertools.product(*spans)
+        for pos in positions:
+            size = self._sizes.get(f"{key}/{arrays.chunk_key(pos)}")
+            if size is not None:
+                self._check_size(key, pos, size)
 
     def _check_size(self, key: str, pos: tuple[int, ...], size: int | None) -> None:
         where = f"{self.path}/{key}/{arrays.chunk_key(pos)}"

@@ -71,6 +71,9 @@ class KvStore:
     def age(self, loc: Location) -> float | None:
         return None
 
+    def committed_at(self, loc: Location) -> float | None:
+        return None
+
     def delete(self, loc: Location, key: str) -> None:
         kv.delete(loc, key)
 
@@ -107,7 +110,7 @@ class S3Store(KvStore):
     after a claim object made the same way, so of two saves to one new
     location exactly one writes and commits (:mod:`.commit_kv`)."""
 
-    commit = RootLastCommit(claim=True)
+    commit = RootLastCommit(claim=True, error=lambda loc, e, doing: s3_error(loc, e, doing))
 
     def __init__(self) -> None:
         seconds = str(max(1, round(self.timeout)))
@@ -141,7 +144,8 @@ class S3Store(KvStore):
         """Sizes without fetching the objects: S3 lists no sizes through
         TensorStore, but refuses a range past an object's end naming its
         ``ActualObjectSize``; one small request per object, all at once.
-        Where the answer names none (another server), the object is read."""
+        Where the answer names none (another server), the object is read;
+        an object of ``PROBE_AT`` bytes or more is given as ``PROBE_AT + 1``."""
         sub = loc.child(prefix)
         names = self.list(sub)
         if not names:
@@ -151,10 +155,13 @@ class S3Store(KvStore):
         for name, future in probes:
             try:
                 kv.result(sub, future, f"reading the size of {name}")
-                size = None  # an object of PROBE_AT bytes or more: read below
+                yield name, PROBE_AT + 1  # at least that: never fetched (a reader refuses it by its size)
+                continue
             except ValueError as e:
                 if "NOT_FOUND" in str(e) and "NoSuchKey" in str(e):
                     continue  # deleted since the listing
+                if "OUT_OF_RANGE" not in str(e):  # not the 416 asked for: the request failed (retries spent)
+                    raise s3_error(loc, e, f"reading the size of {prefix}/{name}") from e
                 m = _ACTUAL_SIZE.search(str(e))
                 size = int(m.group(1)) if m else None
             if size is None:
@@ -177,4 +184,8 @@ def s3_error(loc: Location, e: ValueError, doing: str) -> TensorckptError:
         return TensorckptError(f"{loc}: {doing} failed: access denied by {at}; check the credentials "
                                "(AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY / AWS_SESSION_TOKEN, or AWS_PROFILE; "
                                "storage_options key / secret / token / profile override them)")
+    if any(s in msg for s in ("curl_code='6'", "curl_code='7'", "Could not connect", "Could not resolve")):
+        return TensorckptError(f"{loc}: {doing} failed: cannot connect to {at} (retried, location.S3_RETRIES); check "
+                               "that storage_options endpoint_url or AWS_ENDPOINT_URL_S3 / AWS_ENDPOINT_URL names a running S3 "
+                               "server you can reach")
     return TensorckptError(f"{loc}: {doing} failed at {at}: {msg.split(' [http_response_body=')[0]}")
