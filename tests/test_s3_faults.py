@@ -365,21 +365,30 @@ for url, key, n in ((sys.argv[1], "w", 8), (sys.argv[2], "big", 64 * 64)):
 """
 
 
-def _forge_s3(moto, url: str, key: str, entry) -> None:
-    """Make the root index and the array zarr.json on S3 agree on ``entry`` (tests/test_hostile.py's _forge)."""
+def _forge_s3(moto, url: str, key: str, entry, scratch) -> None:
+    """Make the root index and the array zarr.json on S3 agree on ``entry``
+    (tests/test_hostile.py's _forge, resealed as format 1.3 requires: the
+    checkpoint is copied to ``scratch``, forged there and its documents put back)."""
     import json
+
+    from forge import reseal
 
     from tensorckpt.storage import arrays
 
     client, prefix = moto.client(), url.removeprefix(f"s3://{BUCKET}/")
-    root = json.loads(client.get_object(Bucket=BUCKET, Key=f"{prefix}/zarr.json")["Body"].read())
+    for k in _keys(moto, url):
+        (scratch / k).parent.mkdir(parents=True, exist_ok=True)
+        (scratch / k).write_bytes(client.get_object(Bucket=BUCKET, Key=f"{prefix}/{k}")["Body"].read())
+    root = json.loads((scratch / "zarr.json").read_bytes())
     root["attributes"]["tensorckpt"]["tensors"][key] = entry.to_json()
-    client.put_object(Bucket=BUCKET, Key=f"{prefix}/zarr.json", Body=json.dumps(root).encode())
-    client.put_object(Bucket=BUCKET, Key=f"{prefix}/{key}/zarr.json", Body=arrays.zarr_json(entry))
+    (scratch / key / "zarr.json").write_bytes(arrays.zarr_json(entry))
+    reseal(scratch, root)
+    for k in ("zarr.json", f"{key}/zarr.json"):
+        client.put_object(Bucket=BUCKET, Key=f"{prefix}/{k}", Body=(scratch / k).read_bytes())
 
 
 @pytest.mark.timeout(90)
-def test_hostile_objects_are_refused_before_they_are_fetched(proxied, moto):
+def test_hostile_objects_are_refused_before_they_are_fetched(proxied, moto, tmp_path):
     """A forged 1 TiB inner chunk (root and array metadata agree) and a chunk
     object far larger than its index allows: read, load, to_state_dict and
     verify refuse both by the sizes S3 gives, without fetching the object or
@@ -392,7 +401,7 @@ def test_hostile_objects_are_refused_before_they_are_fetched(proxied, moto):
     proxy, s3 = proxied
     forged, planted = s3("forged"), s3("planted")
     tensorckpt.save({"w": torch.ones(8)}, forged)
-    _forge_s3(moto, forged, "w", TensorEntry("float32", (8,), (2**38,), (2**38,)))
+    _forge_s3(moto, forged, "w", TensorEntry("float32", (8,), (2**38,), (2**38,)), tmp_path)
     tensorckpt.save({"big": torch.randn(64 * 64)}, planted)
     (chunk,) = [k for k in _keys(moto, planted) if k.startswith("big/c/")]
     moto.client().put_object(Bucket=BUCKET, Key=f"{planted.removeprefix(f's3://{BUCKET}/')}/{chunk}",
