@@ -57,13 +57,13 @@ import time
 import warnings
 
 import torch
-
-import tensorckpt
 from bench_dist import Phases, leaves, nest, spawn, values
 
+import tensorckpt
+
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
-from s3proxy import S3Proxy  # noqa: E402
-from s3server import ACCESS_KEY, REGION, SECRET_KEY, MotoServer  # noqa: E402
+from s3proxy import S3Proxy
+from s3server import ACCESS_KEY, REGION, SECRET_KEY, MotoServer
 
 BUCKET = "tensorckpt-bench"
 TARGETS = {  # the issue's targets (issue 14, "Performance on object storage")
@@ -80,8 +80,8 @@ TARGETS = {  # the issue's targets (issue 14, "Performance on object storage")
 def logical_keys(size_bytes: int, d: int) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
     """Model parameters (bf16) and two Adam moments (fp32) of a transformer
     whose state comes to ~size_bytes (10 bytes per parameter); at least one
-    layer."""
-    vocab = 30720 if d >= 1024 else 1536  # divisible by 2 and 3
+    layer, so a small state needs a small ``d``."""
+    vocab = 30720 if size_bytes >= 2**29 else 1536  # as bench_dist's; divisible by 2 and 3
     per_layer = 12 * d * d + 4 * d
     layers = max(1, round((size_bytes / 10 - vocab * d) / per_layer))
     shapes: dict[str, tuple[int, ...]] = {"embed.weight": (vocab, d)}
@@ -180,7 +180,7 @@ def storage_options(args: argparse.Namespace) -> dict:
             "client_kwargs": {"region_name": REGION}}
 
 
-def dcp_writer(url: str, args: argparse.Namespace, best: tuple[int, bool] | None):  # noqa: ANN201
+def dcp_writer(url: str, args: argparse.Namespace, best: tuple[int, bool] | None):
     from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
 
     if best is None:
@@ -252,7 +252,8 @@ def tune_dcp(ph: Phases, state: dict, base: str, args: argparse.Namespace) -> tu
     best = None
     for threads, single in itertools.product(args.dcp_threads, (True, False)):
         name = f"(tuning) {threads} {single}"
-        ph.run(name, lambda: dcp_save(state, f"{base}/tune-{threads}-{single}", args, (threads, single)))
+        best_of = (threads, single)
+        ph.run(name, lambda b=best_of: dcp_save(state, f"{base}/tune-{b[0]}-{b[1]}", args, b))
         t = ph.times.pop(name)[0]
         if best is None or t < best[0]:
             best = (t, threads, single)
@@ -284,7 +285,7 @@ class Loads:
         self.requests: dict[str, list[int]] = {}
         self.memory: dict[str, list[float]] = {}
 
-    def run(self, name: str, fn) -> None:  # noqa: ANN001
+    def run(self, name: str, fn) -> None:
         import torch.distributed as dist
 
         zero(self.target)
@@ -318,7 +319,7 @@ def modes(args: argparse.Namespace, rep: int) -> list[str]:
     return out if rep % 2 == 0 else out[::-1]
 
 
-def save_one(ph: Phases, mode: str, state: dict, url: str, args: argparse.Namespace, best, stalls: dict) -> None:  # noqa: ANN001
+def save_one(ph: Phases, mode: str, state: dict, url: str, args: argparse.Namespace, best, stalls: dict) -> None:
     """One sync save and one async save (its stall) of ``mode``."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
