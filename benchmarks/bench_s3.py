@@ -294,6 +294,7 @@ class Loads:
             self.args.reply.get()
         rss = reset_peak()
         self.ph.run(name, fn)
+        extra = peak_since(rss)  # before check(), which allocates
         if self.ph.rank == 0:
             self.args.ctl.put("read")
             fetched, requests = self.args.reply.get()
@@ -301,7 +302,6 @@ class Loads:
             self.requests.setdefault(name, []).append(requests)
         check(self.target, self.keys, name)
         mine = local_bytes(self.target)
-        extra = peak_since(rss)
         both = torch.tensor([float(mine), float(extra if extra >= 0 else math.nan)], dtype=torch.float64)
         dist.all_reduce(both)
         self.memory.setdefault(name, []).append((both[0] + both[1]).item() / both[0].item())
@@ -473,7 +473,7 @@ def summarize(latency_ms: float, saved: dict, loaded: dict | None, args: argpars
         rows.setdefault("load world 2", {})[lib] = spread(saved["times"][f"{lib} load"])
         if loaded:
             rows.setdefault("load world 3 reshard", {})[lib] = spread(loaded["times"][f"{lib} load reshard"])
-    fetched, memory, requests = {}, {}, {}
+    fetched, memory, requests, each = {}, {}, {}, {}
     for world, res, suffix in ((2, saved, ""), (3, loaded, " reshard")):
         if res is None:
             continue
@@ -481,11 +481,13 @@ def summarize(latency_ms: float, saved: dict, loaded: dict | None, args: argpars
             name = f"{lib} load{suffix}"
             fetched.setdefault(f"world {world}", {})[lib] = statistics.median(res["fetched"][name]) / res["needed"]
             memory.setdefault(f"world {world}", {})[lib] = statistics.median(res["memory"][name])
+            each.setdefault(f"world {world}", {})[lib] = {"fetched_bytes": res["fetched"][name],
+                                                          "peak_memory_over_target": res["memory"][name]}
             requests.setdefault(f"world {world}", {})[lib] = statistics.median(res["requests"][name])
         fetched[f"world {world}"]["needed_bytes"] = res["needed"]
     checked = sum(len(v) for res in (saved, loaded) if res for v in res["fetched"].values())
     return {"latency_ms": latency_ms, "loads_checked": checked, "rows": rows, "fetched_over_needed": fetched, "peak_memory_over_target": memory,
-            "load_requests": requests,
+            "load_requests": requests, "loads_each_rep": each,
             "dcp_best": {"thread_count": saved["best"][0], "single_file_per_rank": saved["best"][1]}
             if saved["best"] else None}
 
