@@ -3,13 +3,17 @@ tensorckpt (TensorStore's s3 kvstore) vs torch DCP with its fsspec writer and
 reader over s3fs, on the same S3-compatible server, side by side in one run.
 
     .venv/bin/python benchmarks/bench_s3.py [--size-mb 512] [--reps 3] [--latency-ms 0,20] [--json PATH]
-        [--dcp-threads 1,4,8] [--no-dcp-best] [--no-reshard] [--d-model 1024]
+        [--dcp-threads 1,4,8] [--no-dcp-best] [--no-reshard] [--d-model 1024] [--moto-buffer-mb 1024]
 
 The server is moto in server mode on 127.0.0.1 (tests/s3server.py's
 MotoServer), reached through tests/s3proxy.py's S3Proxy, which adds
 --latency-ms to every request and counts the bytes clients fetch; both are
 imported from the repository's tests/ folder (put on sys.path here), not
-copied. Each latency in --latency-ms is one run with a fresh proxy.
+copied. Each latency in --latency-ms is one run with a fresh proxy. moto
+answers a ranged GET by copying the whole object (S3 itself reads only the
+range), so a reader of many small ranges pays per object size here; the
+server keeps objects in memory (--moto-buffer-mb) so that cost is a copy,
+not a file read.
 
 The state: a transformer-like model in bfloat16 plus its Adam moments in
 float32 (exp_avg, exp_avg_sq), ~--size-mb MiB in all, as DTensors Shard(0)
@@ -548,7 +552,13 @@ def main() -> None:
     ap.add_argument("--no-dcp-best", dest="dcp_best", action="store_false", help="skip DCP's best-settings rows")
     ap.add_argument("--no-reshard", dest="reshard", action="store_false", help="skip the world-3 loads")
     ap.add_argument("--json", default=None, help="also write every figure here")
+    ap.add_argument("--moto-buffer-mb", type=int, default=1024,
+                    help="objects moto keeps in memory up to this size (MOTO_S3_DEFAULT_KEY_BUFFER_SIZE; moto's own "
+                         "default, ~5 MiB, spools larger objects to temporary files and reads the whole file for every "
+                         "ranged GET); 0: moto's default")
     args = ap.parse_args()
+    if args.moto_buffer_mb:
+        os.environ["MOTO_S3_DEFAULT_KEY_BUFFER_SIZE"] = str(args.moto_buffer_mb << 20)  # the server inherits it
 
     keys = logical_keys(args.size_mb << 20, args.d_model)
     nbytes = sum(math.prod(s) * torch.tensor([], dtype=dt).element_size() for s, dt in keys.values())
