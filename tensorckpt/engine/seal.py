@@ -48,7 +48,10 @@ def seal(loc: location.Location, meta: RootMetadata, digests: Digests) -> bytes:
                 f"{loc}: tensor {key!r} has {len(order)} chunks, whose digests make its zarr.json larger than "
                 f"readers accept ({MAX_NODE_JSON_BYTES} bytes, spec 12); save it with a larger shard_bytes"
             )
-    kv.write_many_async(loc, docs)()
+    try:
+        kv.write_many_async(loc, docs)()
+    except OSError as err:
+        raise TensorckptError(f"{loc}: writing the array metadata (zarr.json of each tensor) failed: {err}") from err
     try:
         backend_for(loc).sync(loc, set(docs))
     except OSError as err:
