@@ -164,6 +164,29 @@ def test_server_killed_mid_async_save(proxied, moto, fast_retries):
     _clean_removes_leftovers(moto, url)
 
 
+@pytest.mark.timeout(60)
+def test_server_killed_mid_replace(proxied, moto, monkeypatch, fast_retries):
+    """A replace cut off: the old checkpoint loads as it was; the staging
+    prefix the replace left carries its stamp, so clean keeps it while young
+    and removes it once older than the grace, leaving the old one intact."""
+    proxy, s3 = proxied
+    url = s3()
+    tensorckpt.save(_state(1.0), url)
+    kill_after(proxy, 8)
+    with pytest.raises(TensorckptError) as e:
+        tensorckpt.save(_state(2.0), url, overwrite=True)
+    assert ".ckpt.tensorckpt-staging-" in str(e.value)  # where it was writing (the staging prefix)
+    proxy.revive()
+    assert _equal(tensorckpt.load(_empty(), url), _state(1.0))
+    (x,) = tensorckpt.clean(url, older_than=OLDER_THAN + 30).leftovers
+    assert ".tensorckpt-staging-" in x.path and not x.removed and x.age is not None
+    assert "a save may still be writing it" in x.reason
+    _later(monkeypatch, OLDER_THAN + 30)
+    (x,) = tensorckpt.clean(url, older_than=OLDER_THAN + 30).leftovers
+    assert x.removed and not tensorckpt.clean(url, older_than=0).leftovers
+    assert _equal(tensorckpt.load(_empty(), url), _state(1.0))
+
+
 @pytest.mark.timeout(90)
 def test_server_killed_mid_save_under_a_manager(proxied, moto, monkeypatch, fast_retries):
     proxy, s3 = proxied
