@@ -20,7 +20,7 @@ conditional create.
 Object stores keep no modification times tensorckpt can read, so a save
 stamps its own: the marker object ``__tensorckpt-staging`` at the place it
 writes (the claim of a new location; one made at the staging prefix of a
-replace) holds the writer's wall-clock time as JSON, written when the save
+replace; ``memory://`` makes no claim, so a save in place there has none) holds the writer's wall-clock time as JSON, written when the save
 begins and again every :data:`REFRESH_SECONDS` from a timer thread until
 it commits or fails. :func:`stamped_age` reads it back: the age that
 ``clean`` and the manager's grace go by (spec 10.5 rule 3). A marker without
@@ -110,7 +110,7 @@ class RootLastCommit:
                  error: Callable[[Location, ValueError, str], TensorckptError] | None = None) -> None:
         self.claim = claim
         self.error = error  # the backend's storage error as what to fix (S3: tskv.s3_error)
-        self._refreshers: dict[str, list[_Refresher]] = {}  # write_to URL -> the running saves' timers
+        self._refreshers: dict[str, _Refresher] = {}  # write_to URL -> the timer of the save writing there
         self._lock = threading.Lock()
 
     def describe_foreign(self, target: Location) -> str | None:
@@ -138,29 +138,38 @@ class RootLastCommit:
                 f"{target}: another save is writing a checkpoint here (concurrent saves to one path are not "
                 "supported, spec 10.1); this save wrote nothing. Save to another path, or again with overwrite=True")
         c = Commit(target, staging if exists else target, replacing=exists)
-        if exists or not self.claim:  # the claim holds the first stamp; elsewhere the marker is made here
-            kv.write(c.write_to, MARKER_NAME, stamp())
-        with self._lock:
-            self._refreshers.setdefault(c.write_to.url, []).append(_Refresher(c.write_to))
+        if exists:  # in place, the claim holds the first stamp
+            self._mark(c.write_to, "marking the staging prefix (the save's first write)")
+        elif not self.claim:
+            return c  # memory:// in place: no claim, so no stamp (such a leftover is of unknown age)
+        with self._lock:  # one timer per place (two saves in place to one memory:// location: unsupported, 10.1)
+            if c.write_to.url not in self._refreshers:
+                self._refreshers[c.write_to.url] = _Refresher(c.write_to)
         return c
 
     def _stop(self, c: Commit) -> None:
-        """The save is over (committed or failed): its marker is stamped no more."""
+        """The save is over (committed or failed): its marker is stamped no
+        more. Idempotent: each way a save ends calls it."""
         with self._lock:
-            running = self._refreshers.get(c.write_to.url, [])
-            r = running.pop() if running else None
-            if not running:
-                self._refreshers.pop(c.write_to.url, None)
+            r = self._refreshers.pop(c.write_to.url, None)
         if r is not None:
             r.stop()
 
     def _claim(self, target: Location) -> bool:
+        return self._mark(target, "claiming the location (the save's first write)", create=True)
+
+    def _mark(self, loc: Location, doing: str, create: bool = False) -> bool:
+        """Write the stamped marker at ``loc`` (``create``: only if none is
+        there; False if one was). A refusal (403, ...) is reported as what to fix."""
         try:
-            return kv.create(target, MARKER_NAME, stamp())
-        except ValueError as e:  # the save's first write: a refusal (403, ...) is reported as what to fix
+            if create:
+                return kv.create(loc, MARKER_NAME, stamp())
+            kv.write(loc, MARKER_NAME, stamp())
+            return True
+        except ValueError as e:
             if self.error is None:
                 raise
-            raise self.error(target, e, "claiming the location (the save's first write)") from e
+            raise self.error(loc, e, doing) from e
 
     def finish(self, c: Commit, root_json: bytes) -> None:
         try:  # stamped until the target is committed: the copy of a replace may take long
@@ -179,7 +188,7 @@ class RootLastCommit:
             self._stop(c)
         if c.staged:
             discard(c.write_to)
-        else:
+        elif self.claim:
             kv.delete(c.target, MARKER_NAME)
 
     def only_copy(self, c: Commit) -> bool:
