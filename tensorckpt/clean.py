@@ -4,8 +4,10 @@ behind, by the rule of spec section 10.5:
 - a committed checkpoint is never touched, so its readers are never raced;
 - a leftover is removed only once nothing under it has changed for
   ``older_than`` seconds, so a save still writing it is never cut short
-  (a store that keeps no modification times gives no age: its leftovers go
-  only with ``older_than=0``);
+  (object stores keep no modification times: there the age is the time
+  since the save last stamped its marker, which it does every
+  ``commit_kv.REFRESH_SECONDS`` while it runs; a leftover with no stamp, as
+  older versions left them, has no age and goes only with ``older_than=0``);
 - a leftover that is a complete checkpoint is kept while the target is not
   committed: it is then the only copy of that checkpoint;
 - a complete leftover is uncommitted (its root ``zarr.json`` deleted) before
@@ -39,7 +41,7 @@ DEFAULT_OLDER_THAN = 3600.0  # seconds
 @dataclass(frozen=True)
 class Leftover:
     path: str
-    age: float | None  # seconds since anything under it changed; None: the store keeps no times
+    age: float | None  # seconds since anything under it changed (or its save's last stamp); None: unknown
     complete: bool  # holds its own root zarr.json: a whole checkpoint
     removed: bool  # removed (or, with dry_run, would be)
     reason: str
@@ -107,7 +109,8 @@ def _clean(target: location.Location, older_than: float, dry_run: bool) -> Clean
 def too_young(age: float | None, older_than: float) -> str | None:
     """Why a leftover of this age must stay (None: it may go)."""
     if age is None and older_than > 0:
-        return "its age is unknown (the store keeps no times); pass older_than=0 once no save to this path runs"
+        return ("its age is unknown (no modification times, and no save's time stamp in it); "
+                "pass older_than=0 once no save to this path runs")
     if age is not None and age < older_than:
         return f"changed {age:.0f} s ago, less than {older_than:g} s: a save may still be writing it"
     return None
@@ -155,7 +158,8 @@ def has_root(loc: location.Location) -> bool:
 
 def age_of(loc: location.Location) -> float | None:
     """Seconds since anything under ``loc`` last changed (modified, created,
-    renamed: the later of mtime and ctime), or None where unknown."""
+    renamed: the later of mtime and ctime; object stores: since its save
+    last stamped its marker), or None where unknown."""
     return backend_for(loc).age(loc)
 
 

@@ -57,6 +57,7 @@ from .errors import IncompleteCheckpointError, TensorckptError
 from .format.arrays import chunk_count
 from .format.keys import split_flat_key
 from .storage import location
+from .storage.commit_kv import REFRESH_SECONDS
 from .verify import verify as verify_checkpoint
 
 
@@ -361,7 +362,9 @@ def main(argv: list[str] | None = None) -> int:
     _storage_flag(p)
     p.add_argument("--older-than", type=_seconds, default=DEFAULT_OLDER_THAN, metavar="SECONDS",
                    help=f"remove only leftovers unchanged for this long (default {DEFAULT_OLDER_THAN:g}); "
-                   "it must exceed the longest a save can take")
+                   "it must exceed the longest a save can take (object stores: the time since the save's last "
+                   f"stamp, which a running one renews every {REFRESH_SECONDS:g} s: it must exceed that plus the "
+                   "clock skew)")
     p.add_argument("--dry-run", action="store_true", help="list what would be removed, remove nothing")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p = sub.add_parser("list", help="list the steps of a CheckpointManager root (committed or incomplete, size)")

@@ -8,6 +8,7 @@ from __future__ import annotations
 import shutil
 import threading
 import time
+import types
 
 import pytest
 import torch
@@ -111,6 +112,40 @@ def test_memory_store_has_no_ages(mem_url):
     assert x.path == url and x.removed and not kv.exists(target)
     with pytest.raises(tensorckpt.CheckpointNotFoundError):
         tensorckpt.open(url)
+
+
+def test_memory_leftover_ages_from_its_saves_stamp(mem_url, monkeypatch):
+    """memory:// keeps no modification times, but a save stamps its staging
+    marker: a replace whose store failed at its commit and again at its abort
+    leaves a leftover that clean keeps while young and removes once older."""
+    from tensorckpt.storage import commit_kv
+
+    url = mem_url()
+    tensorckpt.save(_state(), url)
+    real_write, real_delete_all = kv.write, kv.delete_all
+
+    def write(loc, key, data):
+        if commit.STAGING_INFIX in loc.url and key == commit.ROOT_KEY:
+            raise OSError(5, "the store went away")
+        return real_write(loc, key, data)
+
+    def delete_all(loc):
+        if commit.STAGING_INFIX in loc.url:
+            raise OSError(5, "the store went away")
+        return real_delete_all(loc)
+
+    with monkeypatch.context() as m:
+        m.setattr(kv, "write", write)
+        m.setattr(kv, "delete_all", delete_all)
+        with pytest.raises(tensorckpt.TensorckptError, match="went away"):
+            tensorckpt.save(_state(2.0), url, overwrite=True)
+    (x,) = tensorckpt.clean(url, older_than=OLD).leftovers
+    assert not x.removed and x.age is not None and x.age < OLD and "a save may still be writing it" in x.reason
+    real = time.time
+    monkeypatch.setattr(commit_kv, "time", types.SimpleNamespace(time=lambda: real() + 2 * OLD))  # time passes
+    (x,) = tensorckpt.clean(url, older_than=OLD).leftovers
+    assert x.removed and x.age is not None and x.age >= 2 * OLD
+    assert commit.leftovers(location.parse(url)) == [] and _same(url)
 
 
 def test_reader_of_committed_checkpoint_is_never_raced(tmp_path):

@@ -13,6 +13,7 @@ import os
 import sys
 import threading
 import time
+import types
 
 import pytest
 import torch
@@ -119,17 +120,34 @@ def test_server_killed_mid_save(proxied, moto):  # real retries, outlasting the 
     assert _equal(tensorckpt.load(_empty(), url), _state(2.0))
 
 
+OLDER_THAN = 2.0  # seconds: the small grace of these tests
+
+
 def _clean_removes_leftovers(moto, url: str) -> None:
-    """S3 keeps no modification times tensorckpt can read: the leftovers stay
-    under the default grace (age unknown) and go with older_than=0."""
+    """S3 keeps no modification times tensorckpt can read, but the save
+    stamped its claim (or staging marker) with its time: the leftovers are
+    kept while younger than ``older_than``, saying so, and go once older."""
     if not _keys(moto, url) and not tensorckpt.clean(url).leftovers:
         return  # the save's own abort removed everything
-    report = tensorckpt.clean(url)
+    report = tensorckpt.clean(url)  # the default grace (an hour)
     assert report.leftovers and not any(x.removed for x in report.leftovers)
-    assert all("age is unknown" in x.reason for x in report.leftovers)
-    report = tensorckpt.clean(url, older_than=0)
-    assert all(x.removed for x in report.leftovers)
+    assert all(x.age is not None and "a save may still be writing it" in x.reason for x in report.leftovers)
+    youngest = min(x.age for x in report.leftovers if x.age is not None)
+    report = tensorckpt.clean(url, older_than=youngest + 30)  # a small grace, not yet passed
+    assert not any(x.removed for x in report.leftovers) and _keys(moto, url)
+    time.sleep(max(0.0, OLDER_THAN - youngest) + 0.2)
+    report = tensorckpt.clean(url, older_than=OLDER_THAN)
+    assert report.leftovers and all(x.removed for x in report.leftovers), report.leftovers
     assert _keys(moto, url) == [] and not tensorckpt.clean(url, older_than=0).leftovers
+
+
+def _later(monkeypatch, seconds: float) -> None:
+    """The clock the save stamps and clean reads (tensorckpt.storage.commit_kv)
+    moved ``seconds`` ahead, as if that much time had passed."""
+    from tensorckpt.storage import commit_kv
+
+    real = time.time
+    monkeypatch.setattr(commit_kv, "time", types.SimpleNamespace(time=lambda: real() + seconds))
 
 
 @pytest.mark.timeout(60)
@@ -146,11 +164,35 @@ def test_server_killed_mid_async_save(proxied, moto, fast_retries):
     _clean_removes_leftovers(moto, url)
 
 
+@pytest.mark.timeout(60)
+def test_server_killed_mid_replace(proxied, moto, monkeypatch, fast_retries):
+    """A replace cut off: the old checkpoint loads as it was; the staging
+    prefix the replace left carries its stamp, so clean keeps it while young
+    and removes it once older than the grace, leaving the old one intact."""
+    proxy, s3 = proxied
+    url = s3()
+    tensorckpt.save(_state(1.0), url)
+    kill_after(proxy, 8)
+    with pytest.raises(TensorckptError) as e:
+        tensorckpt.save(_state(2.0), url, overwrite=True)
+    assert ".ckpt.tensorckpt-staging-" in str(e.value)  # where it was writing (the staging prefix)
+    proxy.revive()
+    assert _equal(tensorckpt.load(_empty(), url), _state(1.0))
+    (x,) = tensorckpt.clean(url, older_than=OLDER_THAN + 30).leftovers
+    assert ".tensorckpt-staging-" in x.path and not x.removed and x.age is not None
+    assert "a save may still be writing it" in x.reason
+    _later(monkeypatch, OLDER_THAN + 30)
+    (x,) = tensorckpt.clean(url, older_than=OLDER_THAN + 30).leftovers
+    assert x.removed and not tensorckpt.clean(url, older_than=0).leftovers
+    assert _equal(tensorckpt.load(_empty(), url), _state(1.0))
+
+
 @pytest.mark.timeout(90)
-def test_server_killed_mid_save_under_a_manager(proxied, moto, fast_retries):
+def test_server_killed_mid_save_under_a_manager(proxied, moto, monkeypatch, fast_retries):
     proxy, s3 = proxied
     root = s3("run")
-    mgr = tensorckpt.CheckpointManager(root, keep_last=1, reader_grace=0, grace=0)
+    grace = 60.0
+    mgr = tensorckpt.CheckpointManager(root, keep_last=1, reader_grace=0, grace=grace)
     mgr.save(1, _state(1.0))
     kill_after(proxy, 8)
     with pytest.raises(TensorckptError) as e:
@@ -158,14 +200,56 @@ def test_server_killed_mid_save_under_a_manager(proxied, moto, fast_retries):
     assert mgr.step_path(2) in str(e.value)
     proxy.revive()
     _uncommitted(moto, mgr.step_path(2))
-    again = tensorckpt.CheckpointManager(root, keep_last=1, reader_grace=0, grace=0)  # a restarted job
+    again = tensorckpt.CheckpointManager(root, keep_last=1, reader_grace=0, grace=grace)  # a restarted job
     assert again.latest() == 1
     out = _empty()
     assert again.restore(out) == 1 and _equal(out, _state(1.0))  # the previous step, bit-exact
-    again.save(3, _state(3.0))  # its retention removes step 2's leftovers (grace=0) and retires step 1
+    again.save(3, _state(3.0))  # retires step 1; step 2's leftovers are younger than the grace: kept
     names = {k.split("/", 1)[0] for k in _keys(moto, root)}
-    assert names == {"step-00000003"}, names
-    assert _equal(tensorckpt.load(_empty(), again.step_path(3)), _state(3.0))
+    assert names == {"step-00000002", "step-00000003"}, names
+    _later(monkeypatch, grace)  # the grace passes
+    again.save(4, _state(4.0))  # its retention now removes step 2's leftovers and retires step 3
+    names = {k.split("/", 1)[0] for k in _keys(moto, root)}
+    assert names == {"step-00000004"}, names
+    assert _equal(tensorckpt.load(_empty(), again.step_path(4)), _state(4.0))
+
+
+@pytest.mark.timeout(60)
+def test_a_save_in_progress_is_kept_by_its_refreshed_stamp(proxied, moto, monkeypatch):
+    """A save held up mid-way (the writes of one tensor answered 503 SlowDown
+    four times: retried with backoff, about 3 s) runs for longer than the
+    grace of a concurrent clean: its stamp, refreshed while it runs, keeps it
+    young, so clean never removes any of it, and it commits whole."""
+    from tensorckpt.storage import commit_kv
+
+    proxy, s3 = proxied
+    grace = 1.0
+    monkeypatch.setenv("TENSORCKPT_S3_TIMEOUT", "20")
+    monkeypatch.setattr(commit_kv, "REFRESH_SECONDS", 0.1)
+    proxy.faults = Faults(rate=1.0, kinds=("503",), methods=("PUT",), path="/t3/", limit=4)
+    url, sd = s3(), _state(n=8)
+    failed: list[BaseException] = []
+
+    def save() -> None:
+        try:
+            tensorckpt.save(sd, url)
+        except BaseException as e:  # reported below
+            failed.append(e)
+
+    saver = threading.Thread(target=save)
+    saver.start()
+    seen = []  # (monotonic time, the ages clean found)
+    while saver.is_alive():
+        report = tensorckpt.clean(url, older_than=grace)
+        seen.append((time.monotonic(), [x.age for x in report.leftovers]))
+        assert not any(x.removed for x in report.leftovers), report.leftovers
+        time.sleep(0.05)
+    saver.join()
+    assert not failed, failed
+    young = [t for t, ages in seen if ages and all(a is not None for a in ages)]
+    assert young and young[-1] - young[0] > grace + 1, seen  # clean ran on it for longer than the grace
+    assert proxy.faults.injected["503"] == 4
+    assert _equal(tensorckpt.load(_empty(8), url), sd)
 
 
 # ---------------------------------------------------------------- slow and failing responses

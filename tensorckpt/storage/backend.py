@@ -51,7 +51,8 @@ class Backend(Protocol):
         """A file system: directories that can be held open and renamed atomically (10.2)."""
     @property
     def records_times(self) -> bool:
-        """Objects carry modification times: :meth:`age` is not None."""
+        """Objects carry modification times: :meth:`age` is not None (False: it
+        is known only where a save stamped its marker, :mod:`.commit_kv`)."""
     @property
     def fast_chunks(self) -> bool:
         """:meth:`chunk_writer` / :meth:`chunk_reader` give tensorckpt's own codec (``direct.py``)."""
@@ -86,7 +87,8 @@ class Backend(Protocol):
         """(key relative to ``prefix``, size) of every object under it; size
         None: not a plain object (a link, FIFO or device)."""
     def age(self, loc: Location) -> float | None:
-        """Seconds since anything under ``loc`` changed; None: unknown."""
+        """Seconds since anything under ``loc`` changed (object stores: since
+        the save writing it last stamped its marker); None: unknown."""
     def committed_at(self, loc: Location) -> float | None:
         """When the checkpoint at ``loc`` was committed (an upper bound, a
         time.time()); None: unknown (no times kept, or no root)."""

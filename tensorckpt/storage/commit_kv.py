@@ -16,11 +16,23 @@ conditionally (``If-None-Match: *``): a second save to it is refused before
 it writes anything, so the first one's objects are never overwritten; the
 claim is deleted once the root is committed. The root itself is always a
 conditional create.
+
+Object stores keep no modification times tensorckpt can read, so a save
+stamps its own: the marker object ``__tensorckpt-staging`` at the place it
+writes (the claim of a new location; one made at the staging prefix of a
+replace; ``memory://`` makes no claim, so a save in place there has none) holds the writer's wall-clock time as JSON, written when the save
+begins and again every :data:`REFRESH_SECONDS` from a timer thread until
+it commits or fails. :func:`stamped_age` reads it back: the age that
+``clean`` and the manager's grace go by (spec 10.5 rule 3). A marker without
+a stamp (empty, as older versions made it) gives no age.
 """
 
 from __future__ import annotations
 
+import json
+import math
 import threading
+import time
 from collections.abc import Callable
 
 from ..errors import CheckpointExistsError, TensorckptError
@@ -39,6 +51,55 @@ from .commit import (
 from .location import Location
 
 _commit_lock = threading.Lock()  # memory:// stores are per process: their conditional create
+REFRESH_SECONDS = 10.0  # a running save re-stamps its marker at least this often (spec 10.5 rule 3)
+STAMP_LIMIT = 4096  # bytes of a marker read for its stamp: a larger one is not a save's (no age)
+STAMP_KEY = "tensorckpt_save_alive_at"  # the marker's JSON: {STAMP_KEY: seconds since the epoch}
+
+
+def stamp() -> bytes:
+    """The marker's content: this host's wall-clock time, now."""
+    return json.dumps({STAMP_KEY: time.time()}).encode()
+
+
+def stamped_age(loc: Location) -> float | None:
+    """Seconds since the save writing ``loc`` last stamped its marker (0 for a
+    stamp from a clock ahead of this one); None where there is no marker, an
+    unstamped one, or it cannot be read: the age is unknown."""
+    try:
+        data = kv.read_range(loc, MARKER_NAME, 0, STAMP_LIMIT + 1)
+    except (OSError, ValueError, TensorckptError):
+        return None
+    try:
+        doc = json.loads(data or b"") if data is not None and len(data) <= STAMP_LIMIT else None
+    except ValueError:
+        return None
+    t = doc.get(STAMP_KEY) if isinstance(doc, dict) else None
+    if not isinstance(t, (int, float)) or isinstance(t, bool) or not math.isfinite(t):
+        return None
+    return max(0.0, time.time() - t)
+
+
+class _Refresher:
+    """Re-stamps the marker at ``loc`` every :data:`REFRESH_SECONDS` from a
+    daemon thread, until :meth:`stop` (which waits for a write under way, so
+    none lands after it)."""
+
+    def __init__(self, loc: Location) -> None:
+        self.loc = loc
+        self._stopped = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="tensorckpt-save-stamp", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stopped.wait(REFRESH_SECONDS):
+            try:
+                kv.write(self.loc, MARKER_NAME, stamp())
+            except (OSError, ValueError, TensorckptError):
+                pass  # the store is down: the save fails by its own writes, and the stamp ages
+
+    def stop(self) -> None:
+        self._stopped.set()
+        self._thread.join()
 
 
 class RootLastCommit:
@@ -49,6 +110,8 @@ class RootLastCommit:
                  error: Callable[[Location, ValueError, str], TensorckptError] | None = None) -> None:
         self.claim = claim
         self.error = error  # the backend's storage error as what to fix (S3: tskv.s3_error)
+        self._refreshers: dict[str, _Refresher] = {}  # write_to URL -> the timer of the save writing there
+        self._lock = threading.Lock()
 
     def describe_foreign(self, target: Location) -> str | None:
         keys = [k for k in kv.list_keys(target) if k != MARKER_NAME]
@@ -74,36 +137,66 @@ class RootLastCommit:
             raise CheckpointExistsError(
                 f"{target}: another save is writing a checkpoint here (concurrent saves to one path are not "
                 "supported, spec 10.1); this save wrote nothing. Save to another path, or again with overwrite=True")
-        return Commit(target, staging if exists else target, replacing=exists)
+        c = Commit(target, staging if exists else target, replacing=exists)
+        if exists:  # in place, the claim holds the first stamp
+            self._mark(c.write_to, "marking the staging prefix (the save's first write)")
+        elif not self.claim:
+            return c  # memory:// in place: no claim, so no stamp (such a leftover is of unknown age)
+        with self._lock:  # one timer per place (two saves in place to one memory:// location: unsupported, 10.1)
+            if c.write_to.url not in self._refreshers:
+                self._refreshers[c.write_to.url] = _Refresher(c.write_to)
+        return c
+
+    def _stop(self, c: Commit) -> None:
+        """The save is over (committed or failed): its marker is stamped no
+        more. Idempotent: each way a save ends calls it."""
+        with self._lock:
+            r = self._refreshers.pop(c.write_to.url, None)
+        if r is not None:
+            r.stop()
 
     def _claim(self, target: Location) -> bool:
+        return self._mark(target, "claiming the location (the save's first write)", create=True)
+
+    def _mark(self, loc: Location, doing: str, create: bool = False) -> bool:
+        """Write the stamped marker at ``loc`` (``create``: only if none is
+        there; False if one was). A refusal (403, ...) is reported as what to fix."""
         try:
-            return kv.create(target, MARKER_NAME, b"")
-        except ValueError as e:  # the save's first write: a refusal (403, ...) is reported as what to fix
+            if create:
+                return kv.create(loc, MARKER_NAME, stamp())
+            kv.write(loc, MARKER_NAME, stamp())
+            return True
+        except ValueError as e:
             if self.error is None:
                 raise
-            raise self.error(target, e, "claiming the location (the save's first write)") from e
+            raise self.error(loc, e, doing) from e
 
     def finish(self, c: Commit, root_json: bytes) -> None:
-        if not c.staged:  # a new checkpoint in place: the root only if no other save committed one
-            with _commit_lock:
-                if not kv.create(c.write_to, ROOT_KEY, root_json):
-                    raise raced(c)
-            if self.claim:
-                kv.delete(c.target, MARKER_NAME)
-            return
-        kv.write(c.write_to, ROOT_KEY, root_json)
-        # replace: the new checkpoint is complete at the staging prefix
-        kv.delete(c.target, ROOT_KEY)  # the old one stops being valid before any of its data goes
-        kv.delete_all(c.target)
-        kv.copy_all(c.write_to, c.target, skip=(ROOT_KEY,))
-        kv.write(c.target, ROOT_KEY, root_json)
-        discard(c.write_to)
+        try:  # stamped until the target is committed: the copy of a replace may take long
+            if not c.staged:  # a new checkpoint in place: the root only if no other save committed one
+                with _commit_lock:
+                    if not kv.create(c.write_to, ROOT_KEY, root_json):
+                        raise raced(c)
+            else:
+                kv.write(c.write_to, ROOT_KEY, root_json)
+                # replace: the new checkpoint is complete at the staging prefix
+                kv.delete(c.target, ROOT_KEY)  # the old one stops being valid before any of its data goes
+                kv.delete_all(c.target)
+                kv.copy_all(c.write_to, c.target, skip=(ROOT_KEY, MARKER_NAME))
+                kv.write(c.target, ROOT_KEY, root_json)
+        finally:
+            self._stop(c)
+        if c.staged:
+            discard(c.write_to)
+        elif self.claim:
+            kv.delete(c.target, MARKER_NAME)
 
     def only_copy(self, c: Commit) -> bool:
         """Whether a replace got past deleting the old checkpoint: the target
         is not committed and the staging prefix holds the whole new one. When
-        unsure, True: keeping a copy is the safe side."""
+        unsure, True: keeping a copy is the safe side. Asked only of a
+        failed save: its marker is stamped no more."""
+        self._stop(c)
         if not c.staged:
             return False
         try:
@@ -114,7 +207,8 @@ class RootLastCommit:
     def abort(self, c: Commit) -> None:
         """Best effort, as the local strategy's: the save fails with its own
         error either way; what stays (the store went down) is a leftover that
-        ``clean`` removes (spec 10.5)."""
+        ``clean`` removes once its stamp is older than the grace (spec 10.5)."""
+        self._stop(c)
         try:
             if c.staged or kv.read(c.target, ROOT_KEY) is None:
                 kv.delete_all(c.write_to)
@@ -132,7 +226,7 @@ class RootLastCommit:
         if root is None:
             return False  # gone since it was checked (removed by another process): nothing to recover
         kv.delete_all(target)
-        kv.copy_all(copy, target, skip=(ROOT_KEY,))
+        kv.copy_all(copy, target, skip=(ROOT_KEY, MARKER_NAME))
         kv.write(target, ROOT_KEY, root)
         self.remove(copy)
         return True

@@ -42,7 +42,7 @@ from typing import Any
 
 from ..errors import CheckpointPermissionError, CorruptCheckpointError, InvalidPathError, TensorckptError
 from . import direct
-from .commit_kv import RootLastCommit
+from .commit_kv import RootLastCommit, stamped_age
 from .location import FSSPEC_PREFIX, Location
 
 WRITE_THREADS = 8  # small objects (zarr.json, small tensors) written at once
@@ -304,7 +304,7 @@ class FsspecStore:
             yield key, size if isinstance(size, int) else None
 
     def age(self, loc: Location) -> float | None:
-        return None
+        return stamped_age(loc)  # the stamp a save keeps in its marker (commit_kv), as on S3
 
     def delete(self, loc: Location, key: str) -> None:
         fs, root = self._fs(loc)

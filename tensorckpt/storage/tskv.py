@@ -1,5 +1,6 @@
 """TensorStore kvstore backends (see :mod:`.backend`): object stores with no
-rename and no modification times, committed root-last (:mod:`.commit_kv`);
+rename and no modification times (a leftover's age is the time a save
+stamped in its marker), committed root-last (:mod:`.commit_kv`);
 chunks are read and written through TensorStore arrays
 (:mod:`.arrays`). ``memory://`` and ``s3://`` (TensorStore's ``s3`` driver,
 configured from the AWS environment variables: :mod:`.location`); another
@@ -24,7 +25,7 @@ from collections.abc import Collection, Iterator
 
 from ..errors import InvalidPathError, TensorckptError
 from . import kv, pinned
-from .commit_kv import RootLastCommit
+from .commit_kv import RootLastCommit, stamped_age
 from .direct import Pool, Writer
 from .location import Location
 
@@ -69,7 +70,7 @@ class KvStore:
                 yield name, len(data)
 
     def age(self, loc: Location) -> float | None:
-        return None
+        return stamped_age(loc)  # no modification times: the stamp a save keeps in its marker (commit_kv)
 
     def committed_at(self, loc: Location) -> float | None:
         return None
