@@ -61,7 +61,7 @@ import time
 import warnings
 
 import torch
-from bench_dist import Phases, leaves, nest, spawn, values
+from bench_dist import Phases, leaves, local_bytes, nest, spawn, values, zero
 
 import tensorckpt
 
@@ -132,17 +132,6 @@ def check(tree: dict, keys: dict, what: str) -> None:
         lshape, offset = compute_local_shape_and_global_offset(shape, t.device_mesh, t.placements)
         if not torch.equal(t.to_local(), values(key, shape, offset, lshape).to(dtype)):
             raise SystemExit(f"FAIL {what}: {key} differs after load")
-
-
-def zero(tree: dict) -> None:
-    for key, t in leaves(tree):
-        if key != "step":
-            t.to_local().zero_()
-    tree["step"] = 0
-
-
-def local_bytes(tree: dict) -> int:
-    return sum(t.to_local().nbytes for k, t in leaves(tree) if k != "step")
 
 
 # ----------------------------------------------------------------- memory

@@ -25,6 +25,7 @@ from tensorckpt.storage import fsspec as fsspec_backend
 
 sys.path.insert(0, os.path.dirname(__file__))
 from s3server import ACCESS_KEY, REGION, SECRET_KEY, MotoServer  # noqa: E402
+from test_s3 import _empty, _equal, _state  # noqa: E402  (one test state for every S3 / fsspec test)
 
 pytestmark = pytest.mark.usefixtures("fresh_plan_cache")
 BUCKET = "tensorckpt-fsspec"
@@ -70,28 +71,6 @@ def where(request, tmp_path, monkeypatch):
         return Where("file", f"fsspec+file://{tmp_path}", {})
     moto = request.getfixturevalue("moto")
     return Where("s3", f"fsspec+s3://{BUCKET}", s3fs_options(moto))
-
-
-def _state(k: float = 1.0) -> dict:
-    g = torch.Generator().manual_seed(int(k * 1000))
-    return {
-        "w": torch.randn(300, 200, generator=g) * k,
-        "h": (torch.randn(64, 1000, generator=g) * k).to(torch.bfloat16),
-        "f16": torch.randn(17, generator=g).half(),
-        "i": torch.arange(1000, dtype=torch.int64) * int(k),
-        "b": torch.rand(33, generator=g) > 0.5,
-        "u8": torch.randint(0, 255, (5, 7), dtype=torch.uint8, generator=g),
-        "step": int(k),
-    }
-
-
-def _empty() -> dict:
-    return {k: (torch.empty_like(v) if isinstance(v, torch.Tensor) else 0) for k, v in _state().items()}
-
-
-def _equal(a: dict, b: dict) -> bool:
-    return a.keys() == b.keys() and all(
-        torch.equal(a[k], b[k]) if isinstance(a[k], torch.Tensor) else a[k] == b[k] for k in a)
 
 
 def test_fsspec_urls_parse():

@@ -51,7 +51,7 @@ def _empty() -> dict:
 
 
 def _equal(a: dict, b: dict) -> bool:
-    return all(torch.equal(a[k], b[k]) if isinstance(a[k], torch.Tensor) else a[k] == b[k] for k in a)
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) if isinstance(a[k], torch.Tensor) else a[k] == b[k] for k in a)
 
 
 # ---------------------------------------------------------------- URLs
