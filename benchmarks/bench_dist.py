@@ -67,7 +67,11 @@ def shapes(size_bytes: int) -> dict[str, tuple[int, ...]]:
     vocab = VOCAB if size_bytes >= 2**29 else 1536  # small runs (tests): a small embedding
     per_layer = 12 * d * d + 4 * d
     params = size_bytes // 4 // 3
-    layers = max(1, round((params - vocab * d) / per_layer))
+    return transformer(d, vocab, max(1, round((params - vocab * d) / per_layer)))
+
+
+def transformer(d: int, vocab: int, layers: int) -> dict[str, tuple[int, ...]]:
+    """Parameter shapes of a transformer of ``layers`` layers, width ``d`` (bench_s3 uses it too)."""
     out = {"embed.weight": (vocab, d)}
     for i in range(layers):
         p = f"layers.{i}."

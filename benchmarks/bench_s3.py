@@ -61,7 +61,7 @@ import time
 import warnings
 
 import torch
-from bench_dist import Phases, leaves, local_bytes, nest, spawn, values, zero
+from bench_dist import Phases, leaves, local_bytes, nest, spawn, transformer, values, zero
 
 import tensorckpt
 
@@ -87,14 +87,7 @@ def logical_keys(size_bytes: int, d: int) -> dict[str, tuple[tuple[int, ...], to
     layer, so a small state needs a small ``d``."""
     vocab = 30720 if size_bytes >= 2**29 else 1536  # as bench_dist's; divisible by 2 and 3
     per_layer = 12 * d * d + 4 * d
-    layers = max(1, round((size_bytes / 10 - vocab * d) / per_layer))
-    shapes: dict[str, tuple[int, ...]] = {"embed.weight": (vocab, d)}
-    for i in range(layers):
-        p = f"layers.{i}."
-        shapes |= {p + n: (d, d) for n in ("attn.q.weight", "attn.k.weight", "attn.v.weight", "attn.o.weight")}
-        shapes |= {p + "mlp.up.weight": (4 * d, d), p + "mlp.down.weight": (d, 4 * d)}
-        shapes |= {p + n: (d,) for n in ("ln1.weight", "ln1.bias", "ln2.weight", "ln2.bias")}
-    shapes["norm.weight"] = (d,)
+    shapes = transformer(d, vocab, max(1, round((size_bytes / 10 - vocab * d) / per_layer)))
     keys = {f"model/{k}": (v, torch.bfloat16) for k, v in shapes.items()}
     for k, v in shapes.items():
         keys[f"optim/state/{k}/exp_avg"] = (v, torch.float32)
