@@ -251,9 +251,14 @@ print(json.dumps({"total": total, "growth": growth, "equal": equal}))
 
 def test_import_and_export_memory_stays_bounded(tmp_path):
     """96 MiB of tensors (one of 64 MiB) converted with an 8 MiB bound, in
-    and out, in a fresh process: its peak RSS grows by far less than the
-    state (about the bound plus the reader's and writer's buffers)."""
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [os.path.dirname(_TESTS), os.environ.get("PYTHONPATH")]))}
+    and out, in a fresh process: its peak RSS grows by about the bound plus
+    the reader's and writer's buffers, far less than the state.
+
+    glibc's fixed mmap threshold makes the measure the data held: with its
+    default dynamic threshold, freed slabs of a few MiB stay in the heap and
+    the same run grew by 10-43 MiB from run to run (with the fixed one: 8-11)."""
+    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": str(128 << 10),
+           "PYTHONPATH": os.pathsep.join(filter(None, [os.path.dirname(_TESTS), os.environ.get("PYTHONPATH")]))}
     out = subprocess.run([sys.executable, "-c", _MEASURE, str(tmp_path)], env=env, capture_output=True, text=True,
                          timeout=180, check=False)
     assert out.returncode == 0, out.stderr
@@ -261,7 +266,7 @@ def test_import_and_export_memory_stays_bounded(tmp_path):
     assert r["equal"]
     print(f"state {r['total'] >> 20} MiB; peak RSS growth: " + ", ".join(f"{k} {v >> 20} MiB" for k, v in r["growth"].items()))
     for fmt, g_ in r["growth"].items():
-        assert g_ < 40 << 20, (fmt, g_ >> 20)
+        assert g_ < 24 << 20, (fmt, g_ >> 20)  # the 8 MiB bound + 16 MiB for buffers and threads
 
 
 # --------------------------------------------------------------------- CLI

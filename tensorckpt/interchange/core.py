@@ -14,10 +14,11 @@ of tensor data (``memory_bytes`` defaults to 256 MiB) or one stored object
 (``shard_bytes``, default 64 MiB) if that is larger; a tensor larger than
 that is read and written in slabs of whole stored objects along its first
 dimension. With the writer's encoding buffers and threads the process
-grows by about ``memory_bytes`` plus 25 MiB (measured peak RSS after a
-warm-up: a 160 MiB state with a 16 MiB bound, +35 MiB importing and +27 MiB
-exporting; 96 MiB with 8 MiB, +32 and +12; tests/test_convert.py checks
-the latter stays under 40 MiB). Exports
+grows by about ``memory_bytes`` plus a few MiB of buffers (measured peak
+RSS after a warm-up, 96 MiB state, 8 MiB bound: +8 to +11 MiB importing and
++8 exporting with glibc's mmap threshold fixed, which tests/test_convert.py
+checks stays under 24 MiB; with glibc's default dynamic threshold freed
+slabs stay in the heap and the same run grew by 10-43 MiB). Exports
 (safetensors, DCP) likewise read the next slab of at most ``memory_bytes /
 2`` while writing the current one, from a checkpoint saved by any number
 of ranks (a slab reads the parts of every rank's stored objects it crosses;
