@@ -9,7 +9,9 @@ behind, by the rule of spec section 10.5:
   ``commit_kv.REFRESH_SECONDS`` while it runs; a leftover with no stamp, as
   older versions left them, has no age and goes only with ``older_than=0``);
 - a leftover that is a complete checkpoint is kept while the target is not
-  committed: it is then the only copy of that checkpoint;
+  committed: it is then the only copy of that checkpoint (not a version a
+  replace swapped out and kept for its readers, ``.NAME.tensorckpt-replaced-*``:
+  that one goes once replaced longer than ``older_than`` ago, spec 10.2);
 - a complete leftover is uncommitted (its root ``zarr.json`` deleted) before
   the rest of it goes, as in section 10.3;
 - a symbolic link (or any other non-directory special file) named like a
@@ -88,6 +90,11 @@ def _clean(target: location.Location, older_than: float, dry_run: bool) -> Clean
             report.leftovers.append(Leftover(s.url, None, False, False, why))
             continue
         complete = has_root(s)
+        if commit.is_replaced(s):  # an older version, kept for its readers (spec 10.2): never the only copy of the newest
+            keep = too_young(ages[s], older_than, "replaced")
+            gone = "the version a finished replace swapped out (kept for the readers that had opened it)"
+            _settle(report, s, ages[s], complete, keep, gone)
+            continue
         if complete and not committed:
             keep = "a complete checkpoint, and the only one: move it into place to recover it (spec 10.5)"
         else:
@@ -106,12 +113,15 @@ def _clean(target: location.Location, older_than: float, dry_run: bool) -> Clean
     return report
 
 
-def too_young(age: float | None, older_than: float) -> str | None:
-    """Why a leftover of this age must stay (None: it may go)."""
+def too_young(age: float | None, older_than: float, what: str = "written") -> str | None:
+    """Why a leftover of this age must stay (None: it may go); ``what``:
+    "replaced" for a version a replace kept for its readers."""
     if age is None and older_than > 0:
         return ("its age is unknown (no modification times, and no save's time stamp in it); "
                 "pass older_than=0 once no save to this path runs")
     if age is not None and age < older_than:
+        if what == "replaced":
+            return f"replaced {age:.0f} s ago, less than {older_than:g} s: a reader may still be reading it"
         return f"changed {age:.0f} s ago, less than {older_than:g} s: a save may still be writing it"
     return None
 

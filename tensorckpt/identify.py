@@ -35,7 +35,7 @@ def no_root(loc: Location) -> None:
     try:
         stale = commit.leftovers(loc)
         here = kv.exists(loc)
-        whole = [str(s) for s in stale if kv.read(s, commit.ROOT_KEY) is not None]
+        whole = [str(s) for s in stale if not commit.is_replaced(s) and kv.read(s, commit.ROOT_KEY) is not None]
         what = describe(loc) if here else None
     except NotADirectoryError:
         raise CheckpointNotFoundError(f"{loc}: no checkpoint found (a parent is not a directory)") from None

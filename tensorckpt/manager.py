@@ -412,8 +412,9 @@ class CheckpointManager:
         before the rename, or between the two renames of the fallback), once
         it is older than ``grace``: it is a whole checkpoint, and may be the
         only copy. The copy not named ``-old`` (the newer one) wins."""
-        whole = [x for x in e.leftovers if has_root(x) and _valid_root(x)]
-        if not whole or any(too_young(age_of(x), self.grace) for x in e.leftovers):
+        staged = [x for x in e.leftovers if not commit.is_replaced(x)]  # a replaced version is never recovered
+        whole = [x for x in staged if has_root(x) and _valid_root(x)]
+        if not whole or any(too_young(age_of(x), self.grace) for x in staged):
             return False
         best = sorted(whole, key=lambda x: (x.name.endswith("-old"), x.name))[0]
         return commit.promote(best, self._loc(step))
@@ -460,8 +461,9 @@ class CheckpointManager:
         entries: dict[int, _Entry] = {}
         now = time.time()
         for name in sorted(self._names()):
-            if name.startswith(".") and commit.STAGING_INFIX in name:
-                step = parse_step_name(name[1 : name.index(commit.STAGING_INFIX)])
+            infix = next((i for i in (commit.STAGING_INFIX, commit.REPLACED_INFIX) if i in name), None)
+            if name.startswith(".") and infix is not None:
+                step = parse_step_name(name[1 : name.index(infix)])
                 if step is not None:
                     e = entries.setdefault(step, _Entry())
                     e.leftovers = (*e.leftovers, self._child(name))

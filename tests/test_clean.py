@@ -205,6 +205,8 @@ def test_save_in_progress_is_not_cut_short(tmp_path, monkeypatch):
         release.set()
         t.join()
     assert errors == [] and _same(p, 2.0)
+    (x,) = tensorckpt.clean(p, older_than=0).leftovers  # only the version the replace kept for its readers
+    assert x.removed and x.complete and ".tensorckpt-replaced-" in x.path
     assert tensorckpt.clean(p, older_than=0).leftovers == []
 
 

@@ -261,6 +261,23 @@ def test_a_complete_copy_at_a_staging_name_is_committed(tmp_path):
     assert sorted(os.listdir(tmp_path)) == ["step-00000001", "step-00000002"]
 
 
+def test_a_replaced_step_version_is_kept_for_readers_then_cleaned_never_recovered(tmp_path):
+    """Saving a step again keeps the version it replaced for its readers
+    (spec 10.2 step 4, manager.md 1.4); retention removes it once older than
+    ``grace`` and never commits it as the step, even when the step is gone."""
+    mgr = tensorckpt.CheckpointManager(tmp_path, reader_grace=0, grace=0.3)
+    mgr.save(1, _state(1))
+    mgr.save(1, _state(2), overwrite=True)
+    (kept,) = [n for n in os.listdir(tmp_path) if ".tensorckpt-replaced-" in n]
+    assert kept.startswith(".step-00000001.") and _same(tensorckpt.open(tmp_path / kept).to_state_dict(), _state(1))
+    assert [(s.step, s.status) for s in mgr.steps()] == [(1, "committed")]
+    shutil.rmtree(tmp_path / "step-00000001")  # the step is gone: its replaced version must not come back as step 1
+    time.sleep(0.4)
+    mgr.prune()
+    assert mgr.latest() is None and mgr.restore(_target()) is None
+    assert sorted(os.listdir(tmp_path)) == []  # older than grace: cleaned
+
+
 def test_a_copy_with_a_broken_root_is_not_committed(tmp_path):
     mgr = tensorckpt.CheckpointManager(tmp_path, reader_grace=0, grace=0)
     mgr.save(1, _state(1))

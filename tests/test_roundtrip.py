@@ -400,19 +400,51 @@ def test_relative_path(tmp_path, monkeypatch):
 # ----------------------------------------------------------------- overwrite
 
 
-def test_overwrite_local_replaces_and_leaves_nothing_behind(tmp_path):
+def _replaced(tmp_path) -> list[str]:
+    return [n for n in os.listdir(tmp_path) if n.startswith(".ckpt.tensorckpt-replaced-")]
+
+
+def test_overwrite_local_replaces_and_keeps_one_replaced_version(tmp_path):
+    """A replace keeps the version it swapped out, whole, under a replaced name
+    (spec 10.2: for its readers), and the next replace deletes it first: never
+    more than one; clean removes it after its grace."""
     p = tmp_path / "ckpt"
     tensorckpt.save({"old": torch.ones(3), "v": 1}, p)
     tensorckpt.save({"new": torch.arange(4), "v": 2}, p, overwrite=True)
-    assert sorted(os.listdir(tmp_path)) == ["ckpt"]
+    (kept,) = _replaced(tmp_path)
+    assert sorted(os.listdir(tmp_path)) == sorted(["ckpt", kept])
     ckpt = tensorckpt.open(p)
     assert ckpt.keys() == ["new", "v"]
     assert not (p / "old").exists()
     assert_state_equal(ckpt.to_state_dict(), {"new": torch.arange(4), "v": 2})
-    # and again, over the replacement
+    assert_state_equal(tensorckpt.open(tmp_path / kept).to_state_dict(), {"old": torch.ones(3), "v": 1})
+    # and again, over the replacement: the first version is gone, the second kept
     tensorckpt.save({"x": torch.zeros(1)}, p, overwrite=True)
-    assert sorted(os.listdir(tmp_path)) == ["ckpt"]
+    (kept2,) = _replaced(tmp_path)
+    assert kept2 != kept and sorted(os.listdir(tmp_path)) == sorted(["ckpt", kept2])
     assert tensorckpt.open(p).keys() == ["x"]
+    assert tensorckpt.open(tmp_path / kept2).keys() == ["new", "v"]
+    report = tensorckpt.clean(p)  # the default grace: replaced moments ago, a reader may hold it
+    assert [x.removed for x in report.leftovers] == [False] and "a reader may still be reading it" in report.leftovers[0].reason
+    report = tensorckpt.clean(p, older_than=0)
+    assert [x.removed for x in report.leftovers] == [True] and "replace swapped out" in report.leftovers[0].reason
+    assert sorted(os.listdir(tmp_path)) == ["ckpt"]
+
+
+def test_a_reader_of_the_replaced_version_finishes(tmp_path):
+    """Spec 10.7 with 10.2: a view opened before a replace reads the version it
+    opened, whole, after the replace; after a second replace (which deletes that
+    version) its reads raise the retryable CheckpointChangedError, never a mix."""
+    p = tmp_path / "ckpt"
+    tensorckpt.save({"a": torch.full((64,), 1.0), "b": torch.full((64,), 1.0)}, p, shard_bytes=64)
+    view = tensorckpt.open(p)
+    tensorckpt.save({"a": torch.full((64,), 2.0), "b": torch.full((64,), 2.0)}, p, overwrite=True, shard_bytes=64)
+    assert_bit_equal(view.read("a"), torch.full((64,), 1.0))
+    assert_bit_equal(view.read("b"), torch.full((64,), 1.0))
+    tensorckpt.save({"a": torch.full((64,), 3.0), "b": torch.full((64,), 3.0)}, p, overwrite=True, shard_bytes=64)
+    with pytest.raises(tensorckpt.CheckpointChangedError):
+        view.read("a")
+    assert_bit_equal(tensorckpt.open(p).read("a"), torch.full((64,), 3.0))
 
 
 def test_overwrite_memory(mem_url):
@@ -438,7 +470,8 @@ def test_overwrite_replaces_incomplete_checkpoint(tmp_path):
     (p / "zarr.json").unlink()  # as if a save had been interrupted
     tensorckpt.save({"b": torch.zeros(2)}, p, overwrite=True)
     assert tensorckpt.open(p).keys() == ["b"]
-    assert sorted(os.listdir(tmp_path)) == ["ckpt"]
+    (kept,) = _replaced(tmp_path)  # what was replaced, kept as it was (no root: not a checkpoint)
+    assert sorted(os.listdir(tmp_path)) == sorted(["ckpt", kept]) and not (tmp_path / kept / "zarr.json").exists()
 
 
 def test_overwrite_refuses_an_uncommitted_checkpoint_holding_other_files(tmp_path):

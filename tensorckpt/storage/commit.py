@@ -37,6 +37,10 @@ from .location import Location
 
 ROOT_KEY = "zarr.json"
 STAGING_INFIX = ".tensorckpt-staging-"
+# Locally, the version a replace swapped out stays whole under this infix for the
+# readers that opened it, until the next replace of the same target begins
+# (or clean removes it after its grace): spec 10.2.
+REPLACED_INFIX = ".tensorckpt-replaced-"
 # The root is written under this name first. No key escapes to a name starting
 # with "__" (spec 5.1), so it never collides with a tensor's directory.
 PARTIAL_NAME = "__tensorckpt-root.partial"
@@ -58,6 +62,15 @@ def new_token() -> str:
 
 def staging_location(target: Location, token: str) -> Location:
     return target.sibling(f".{target.name}{STAGING_INFIX}{token}")
+
+
+def replaced_location(target: Location, token: str) -> Location:
+    return target.sibling(f".{target.name}{REPLACED_INFIX}{token}")
+
+
+def is_replaced(loc: Location) -> bool:
+    """Whether ``loc`` is named as a replaced version (spec 10.2), not an interrupted save's staging."""
+    return REPLACED_INFIX in loc.name
 
 
 @dataclass(frozen=True)
@@ -95,7 +108,8 @@ class CommitStrategy(Protocol):
     def remove(self, loc: Location, complete: bool = True, rename_first: bool = False) -> str | None:
         """Delete a checkpoint location, root first (see :func:`remove`)."""
     def leftovers(self, target: Location) -> list[Location]:
-        """Staging locations of interrupted saves to ``target``."""
+        """Staging locations of interrupted saves to ``target``, and (locally)
+        the versions finished replaces swapped out (:func:`is_replaced`)."""
     def promote(self, copy: Location, target: Location) -> bool:
         """Commit the complete staged ``copy`` at the uncommitted ``target`` (see :func:`promote`)."""
     def retire(self, loc: Location, trash: Location) -> None:

@@ -6,8 +6,12 @@ replaced meanwhile fails the save), synced, then renamed onto the target.
 A new target is committed with a no-replace rename
 (``renameat2(RENAME_NOREPLACE)``): of two saves racing to create it, the
 second fails. Replacing a checkpoint swaps the two directories atomically
-(``renameat2(RENAME_EXCHANGE)``) and then deletes the old one. Nothing is
-ever followed or deleted through a symbolic link.
+(``renameat2(RENAME_EXCHANGE)``); the old one is then renamed to
+``.NAME.tensorckpt-replaced-TOKEN`` and kept whole, so a reader that had
+opened it (spec 10.7) finishes instead of failing, until the next replace
+of NAME begins (it deletes every such older version first, so a save never
+holds more than today's two copies at once) or ``clean`` removes it after
+its grace. Nothing is ever followed or deleted through a symbolic link.
 
 Like Orbax's ``AtomicRenameTemporaryPath``; the object-store strategy is
 :mod:`.commit_kv`, the rules both share :mod:`.commit`. Used by the local
@@ -30,21 +34,25 @@ from .commit import (
     PARTIAL_NAME,
     RENAME_EXCHANGE,
     RENAME_NOREPLACE,
+    REPLACED_INFIX,
     ROOT_KEY,
     STAGING_INFIX,
     TOKEN_HEX,
     Commit,
     discard,
     is_root,
+    new_token,
     nodes_and_chunks,
     raced,
     renameat2,
+    replaced_location,
     root_below,
 )
 from .location import Location
 
-# the longest target name whose staging names (".NAME" + infix + token + "-old") fit in one component
-MAX_TARGET_NAME_BYTES = MAX_NAME_BYTES - 1 - len(STAGING_INFIX) - TOKEN_HEX - len("-old") - len(DELETING_SUFFIX)
+# the longest target name whose staging and replaced names (".NAME" + infix + token + "-old" + "-del") fit in one component
+MAX_TARGET_NAME_BYTES = (MAX_NAME_BYTES - 1 - max(len(STAGING_INFIX) + len("-old"), len(REPLACED_INFIX)) - TOKEN_HEX
+                         - len(DELETING_SUFFIX))
 
 
 class AtomicRenameCommit:
@@ -87,6 +95,9 @@ class AtomicRenameCommit:
         return "an empty directory is there" if not os.listdir(target.path) else None
 
     def begin(self, target: Location, staging: Location, exists: bool) -> Commit:
+        if exists:  # a replace: the versions earlier replaces kept go first (spec 10.2), never more than two copies
+            for old in _replaced(target):
+                discard(old)
         os.makedirs(os.path.dirname(target.path), exist_ok=True)
         os.mkdir(staging.path)
         st = os.lstat(staging.path)
@@ -127,12 +138,33 @@ class AtomicRenameCommit:
         _remove(trash)
 
     def leftovers(self, target: Location) -> list[Location]:
-        prefix = f".{target.name}{STAGING_INFIX}"
-        try:
-            names = os.listdir(target.sibling("").path or "/")
-        except FileNotFoundError:
-            return []
-        return [target.sibling(n) for n in sorted(names) if n.startswith(prefix)]
+        return _siblings(target, STAGING_INFIX) + _replaced(target)
+
+
+def _siblings(target: Location, infix: str) -> list[Location]:
+    prefix = f".{target.name}{infix}"
+    try:
+        names = os.listdir(target.sibling("").path or "/")
+    except FileNotFoundError:
+        return []
+    return [target.sibling(n) for n in sorted(names) if n.startswith(prefix)]
+
+
+def _replaced(target: Location) -> list[Location]:
+    """The versions of ``target`` earlier replaces kept (links and files named so included: removal leaves them)."""
+    return _siblings(target, REPLACED_INFIX)
+
+
+def _keep_replaced(old: Location, target: Location) -> Location | None:
+    """Rename the version a replace swapped out to its replaced name (spec 10.2),
+    aged from now; None if that failed (it is then deleted as before)."""
+    kept = replaced_location(target, new_token())
+    try:
+        os.rename(old.path, kept.path)
+        os.utime(kept.path)  # its age (clean's grace) counts from the replace, not from when it was written
+    except OSError:
+        return None
+    return kept
 
 
 def _is_dir(path: str) -> bool:
@@ -260,8 +292,9 @@ def _finish_local(c: Commit, root_json: bytes) -> None:
             os.rename(staging, target)
         else:
             raise OSError(err, os.strerror(err), target)
+    kept = _keep_replaced(old, c.target) if old is not None else None
     kv.fsync_dir(parent)
-    if old is not None:
+    if old is not None and kept is None:
         discard(old)
 
 
