@@ -56,7 +56,7 @@ from .clean import clean as clean_leftovers
 from .errors import IncompleteCheckpointError, TensorckptError
 from .format.arrays import chunk_count
 from .format.keys import split_flat_key
-from .storage import location
+from .storage import commit, location
 from .storage.commit_kv import REFRESH_SECONDS
 from .verify import verify as verify_checkpoint
 
@@ -293,7 +293,10 @@ def list_steps(root: str, as_json: bool = False, out: Stream | None = None, *, s
     if not steps:
         print(f"no steps under {root}", file=out)
     for s in steps:
-        note = f"  ({len(s.leftovers)} leftover(s) of interrupted saves)" if s.leftovers else ""
+        kept = sum(commit.REPLACED_INFIX in x for x in s.leftovers)
+        parts = [f"{len(s.leftovers) - kept} leftover(s) of interrupted saves"] * (len(s.leftovers) > kept)
+        parts += [f"{kept} replaced version(s) kept for readers"] * (kept > 0)
+        note = f"  ({'; '.join(parts)})" if parts else ""
         print(f"{s.step:>12}  {s.status:<10} {_size(s.bytes):>10}  {s.path}{note}", file=out)
     return 0
 

@@ -449,6 +449,10 @@ def test_cli_list(tmp_path, capsys):
     doc = json.loads(capsys.readouterr().out)
     assert [(d["step"], d["status"]) for d in doc] == [(100, "committed"), (200, "incomplete")]
     assert doc[1]["bytes"] == 5 and doc[1]["leftovers"] == [str(stale)]
+    mgr.save(100, _state(2), overwrite=True)  # its replaced version is listed as such, not as an interrupted save
+    assert cli_main(["list", str(tmp_path)]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert "1 replaced version(s) kept for readers" in out[0] and "interrupted" not in out[0]
 
 
 # ---------------------------------------------------------------- distributed
