@@ -57,6 +57,9 @@ class Backend(Protocol):
     def fast_chunks(self) -> bool:
         """:meth:`chunk_writer` / :meth:`chunk_reader` give tensorckpt's own codec (``direct.py``)."""
     @property
+    def fast_reads(self) -> bool:
+        """:meth:`chunk_reader` gives tensorckpt's own codec (also where TensorStore writes the chunks)."""
+    @property
     def kvstore(self) -> bool:
         """TensorStore opens the location's kvstore spec; False: the backend
         does its own object I/O (``get``, ``create``, ``write_many``,

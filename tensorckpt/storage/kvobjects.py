@@ -1,0 +1,143 @@
+"""A checkpoint's stored objects in a TensorStore kvstore (``s3://``,
+``memory://``) for :mod:`.direct`'s Reader / Pool: the reads of load and
+``Checkpoint.read`` there go through tensorckpt's own codec, as local and
+fsspec ones do, so every check of :mod:`.codec` applies (index CRC, entries
+inside the data, no overlaps, every inner chunk's CRC-32C, the chunk digests
+of format 1.3). :class:`tensorckpt.storage.tskv.KvStore` gives them
+(``chunk_reader``).
+
+Each object is read by byte ranges of its kvstore (``KvStore.read(key,
+byte_range=...)``): the shard index by a suffix range (``slice(-n, None)``:
+S3's ``Range: bytes=-n``), so its size is never asked, then the inner chunks
+it needs, stored back to back, in runs of at most ``RUN_BYTES``, all issued at
+once (at most ``WINDOW_BYTES`` in flight per object) and checked in order as
+they arrive. Without the size, safety rests on the checked metadata alone:
+every read is at most one run, within what the object's inner chunks can take;
+an entry past the real data reads the index (its CRC-32C fails) or too little
+(refused as truncated); a damaged index is reported with the object's size
+when the store gives it (:meth:`KvObject.measure`: one more request, only
+then). A replace during the reads is the caller's to detect (the pinned root,
+and the digests of 1.3).
+
+Errors: a missing object or short read is a :class:`CorruptCheckpointError`
+naming the object, tensor and chunk; any other failure of the store goes
+through the backend's translation (S3: :func:`tensorckpt.storage.tskv.s3_error`,
+naming the URL, the operation and what to fix), each wait bounded by the
+backend's timeout (:func:`.kv.result`).
+"""
+
+from __future__ import annotations
+
+import collections
+import re
+from collections.abc import Callable, Iterator
+
+import tensorstore as ts
+
+from ..errors import CorruptCheckpointError, TensorckptError
+from . import kv
+from .location import Location
+
+RUN_BYTES = 8 << 20  # one ranged request at most (S3's advice for ranged GETs: 8-16 MiB)
+WINDOW_BYTES = 16 << 20  # requests of one object in flight at once (THREADS x this in all)
+THREADS = 8  # objects read at once (each waits on the network most of the time)
+PROBE_AT = 1 << 40  # a byte offset past any stored object: the store answers with the object's size
+_SIZE = re.compile(r"<ActualObjectSize>(\d+)</ActualObjectSize>|value of size (\d+)")
+
+ErrorFn = Callable[[Location, ValueError, str], TensorckptError]
+
+
+def size_in(msg: str) -> int | None:
+    """The object size an out-of-range answer names (S3's 416
+    ``ActualObjectSize``, the memory store's message), if any."""
+    m = _SIZE.search(msg)
+    return int(m.group(1) or m.group(2)) if m else None
+
+
+class KvObjects:
+    """The stored objects under ``loc`` (see :class:`.direct.Objects`);
+    ``error`` turns a failure of the store into the error to raise."""
+
+    def __init__(self, loc: Location, error: ErrorFn) -> None:
+        self.loc, self.error = loc, error
+        try:
+            self.store = kv.open_store(loc)
+        except ValueError as e:
+            raise error(loc, e, "opening the store") from e
+
+    def put(self, rel: str, pieces: Iterator[memoryview]) -> None:
+        data = b"".join(bytes(p) for p in pieces)  # each view is valid only until the next: copied
+        try:
+            kv.result(self.loc, self.store.write(rel, data), f"writing {rel}")
+        except ValueError as e:
+            raise self.error(self.loc, e, f"writing {rel}") from e
+
+    def open(self, rel: str, where: str) -> KvObject:
+        return KvObject(self, rel, where)
+
+
+class KvObject:
+    """One stored object read by byte ranges (see :class:`.direct.Stored`);
+    nothing is asked of the store until a read."""
+
+    size: int | None = None  # never asked: a request saved per object
+    run_bytes = RUN_BYTES
+
+    def __init__(self, objects: KvObjects, rel: str, where: str) -> None:
+        self.objects, self.rel, self.where = objects, rel, where
+        self._pending: collections.deque[ts.Future] = collections.deque()
+
+    def _start(self, byte_range: slice) -> ts.Future:
+        return self.objects.store.read(self.rel, byte_range=byte_range)
+
+    def _result(self, future: ts.Future, wanted: int, start: int | None) -> bytes:
+        """The bytes of a started read: fewer than ``wanted`` where the
+        object ends before (``start``: the read's offset; None: a suffix)."""
+        objects = self.objects
+        doing = f"reading {self.rel}"
+        try:
+            r = kv.result(objects.loc, future, doing)
+        except ValueError as e:
+            if "OUT_OF_RANGE" not in str(e):
+                raise objects.error(objects.loc, e, doing) from e
+            size = size_in(str(e))  # past the end: as much as there is, without asking again
+            if size is None or start is None:
+                return b""
+            return bytes(max(0, min(wanted, size - start)))  # a short read: the caller refuses it by its length
+        if r.state == "missing":
+            raise CorruptCheckpointError(f"{self.where}, is missing")
+        if r.state != "value":
+            raise CorruptCheckpointError(f"{self.where}, cannot be read (the store answered {r.state!r})")
+        return r.value
+
+    def pread(self, n: int, offset: int) -> bytes:
+        return self._result(self._start(slice(offset, offset + n)), n, offset)
+
+    def tail(self, n: int) -> bytes:
+        return self._result(self._start(slice(-n, None)), n, None) if n else b""
+
+    def measure(self) -> int | None:
+        try:
+            kv.result(self.objects.loc, self._start(slice(PROBE_AT, PROBE_AT + 1)), f"reading the size of {self.rel}")
+        except ValueError as e:
+            return size_in(str(e))
+        return None  # PROBE_AT bytes or more: no size named
+
+    def fill(self, runs: list[tuple[int, int]], scratch: Callable[[int], memoryview]) -> Iterator[memoryview]:
+        todo = collections.deque(runs)
+        started: collections.deque[tuple[int, int]] = collections.deque()
+        in_flight = 0
+        while todo or started:
+            while todo and (not started or in_flight + todo[0][1] <= WINDOW_BYTES):
+                offset, nbytes = todo.popleft()
+                self._pending.append(self._start(slice(offset, offset + nbytes)))
+                started.append((offset, nbytes))
+                in_flight += nbytes
+            offset, nbytes = started.popleft()
+            data = self._result(self._pending.popleft(), nbytes, offset)
+            in_flight -= nbytes
+            yield memoryview(data)
+
+    def close(self) -> None:
+        while self._pending:  # a read refused half-way: what it started need not finish
+            self._pending.popleft().cancel()
