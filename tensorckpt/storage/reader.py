@@ -243,19 +243,19 @@ class StoredArrays:
         A file larger than its inner chunks and index can take is refused
         too: TensorStore reads the span of the ranges it wants in one
         allocation, which a forged sparse file makes abort the process. On
-        an object store other processes write (S3) the sizes are checked
+        an object store (S3, memory://) the sizes are checked
         the same way, as the store gives them (:meth:`_check_stored_sizes`),
         unless the read goes through tensorckpt's own codec (``codec``:
         :mod:`.direct`, whose every allocation is bounded by the checked
         metadata): there nothing is asked of the store beforehand."""
         self._check_open()
-        if not self._fs and (codec or not self._backend.shared):
-            return  # memory://: only what this process wrote; the codec: bounded without the sizes
+        if not self._fs and codec:
+            return  # an object store read by the codec: bounded without the sizes
         e = self._meta.tensors[key]
         spans = chunk_ranges(region, e.chunk_shape, e.shape)
         if math.prod(len(s) for s in spans) == 0:
             return
-        if not self._fs:  # an object store others write (S3): the same bounds, before TensorStore fetches anything
+        if not self._fs:  # an object store (S3, memory://): the same bounds, before TensorStore fetches anything
             self._check_stored_sizes(key, spans)
             return
         if math.prod(len(s) for s in spans) > 4096:  # many objects: one listing, proportional to what is stored
