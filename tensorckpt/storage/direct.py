@@ -27,14 +27,20 @@ compares them).
 The I/O is one small interface, :class:`Objects` (whole-object writes,
 a stored object's size, ranged reads), so the same Writer / Pool / Reader
 logic runs over any storage: :class:`LocalObjects` (the default for a
-path: the fd / ``pread`` / ``preadv`` / ``os.write`` code described above)
-and :class:`tensorckpt.storage.fsspec.FsspecObjects` (``pipe_file``,
-``info``, ``cat_ranges``: every inner-chunk run one object needs in one call).
+path: the fd / ``pread`` / ``preadv`` / ``os.write`` code described above),
+:class:`tensorckpt.storage.fsspec.FsspecObjects` (``pipe_file``,
+``info``, ``cat_ranges``: every inner-chunk run one object needs in one call)
+and, for reads only, :class:`tensorckpt.storage.kvobjects.KvObjects` (a
+TensorStore kvstore's byte ranges: S3, memory://; the index by a suffix
+range, the size never asked).
 
-Nothing here trusts the stored object: its size, the index CRC, every
-index entry (offset, length == the inner chunk's encoded size, inside the
-object's data region, no two overlapping) are checked before a
-byte of data is read; damage
+Nothing here trusts the stored object: its size (where known), the index
+CRC, every index entry (offset, length == the inner chunk's encoded size,
+inside the object's data region, no two overlapping) are checked before a
+byte of data is read. Where the size is not known, the data region is taken
+as the most the object's inner chunks can fill: every read is still bounded
+by the checked metadata, and an entry past the real data reads index bytes
+or too few (a CRC-32C failure, or a short read); damage
 raises :class:`CorruptCheckpointError` naming the object, chunk and inner
 chunk. Objects are opened ``O_NOFOLLOW | O_NONBLOCK`` and must be regular
 files, so a link or a FIFO planted as a chunk neither escapes nor blocks.
@@ -83,8 +89,13 @@ def usable(entry: TensorEntry) -> bool:
 class Stored(Protocol):
     """One stored object opened for reading."""
 
-    size: int | None  # None: not known without asking the store (object stores: reads rely on the checked metadata)
-    run_bytes: int  # the largest single read to ask of it (inner chunks stored back to back are read together)
+    @property
+    def size(self) -> int | None:
+        """Its size in bytes; None: not known without asking the store (an
+        object store: reads rely on the checked metadata alone)."""
+    @property
+    def run_bytes(self) -> int:
+        """The largest single read to ask of it (inner chunks stored back to back are read together)."""
 
     def pread(self, n: int, offset: int) -> bytes:
         """``n`` bytes from ``offset`` (fewer at the end)."""

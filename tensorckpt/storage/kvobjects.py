@@ -10,8 +10,10 @@ Each object is read by byte ranges of its kvstore (``KvStore.read(key,
 byte_range=...)``): the shard index by a suffix range (``slice(-n, None)``:
 S3's ``Range: bytes=-n``), so its size is never asked, then the inner chunks
 it needs, stored back to back, in runs of at most ``RUN_BYTES``, all issued at
-once (at most ``WINDOW_BYTES`` in flight per object) and checked in order as
-they arrive. Without the size, safety rests on the checked metadata alone:
+once and checked in order as they arrive; the reads in flight of all the
+objects one reader reads at once (``THREADS``) hold at most
+``IN_FLIGHT_BYTES`` (a :class:`Budget`), so its memory does not grow with the
+objects' size. Without the size, safety rests on the checked metadata alone:
 every read is at most one run, within what the object's inner chunks can take;
 an entry past the real data reads the index (its CRC-32C fails) or too little
 (refused as truncated); a damaged index is reported with the object's size
@@ -30,6 +32,7 @@ from __future__ import annotations
 
 import collections
 import re
+import threading
 from collections.abc import Callable, Iterator
 
 import tensorstore as ts
@@ -39,7 +42,7 @@ from . import kv
 from .location import Location
 
 RUN_BYTES = 8 << 20  # one ranged request at most (S3's advice for ranged GETs: 8-16 MiB)
-WINDOW_BYTES = 16 << 20  # requests of one object in flight at once (THREADS x this in all)
+IN_FLIGHT_BYTES = 32 << 20  # reads in flight of one reader, all its objects together
 THREADS = 8  # objects read at once (each waits on the network most of the time)
 PROBE_AT = 1 << 40  # a byte offset past any stored object: the store answers with the object's size
 _SIZE = re.compile(r"<ActualObjectSize>(\d+)</ActualObjectSize>|value of size (\d+)")
@@ -54,12 +57,40 @@ def size_in(msg: str) -> int | None:
     return int(m.group(1) or m.group(2)) if m else None
 
 
+class Budget:
+    """Bytes of reads in flight, shared by the threads of one reader. A
+    thread holding none waits for its first read; one holding some only
+    adds reads that fit, so a thread always either progresses or holds
+    nothing (no deadlock)."""
+
+    def __init__(self, limit: int) -> None:
+        self.free = limit
+        self._cv = threading.Condition()
+
+    def take(self, n: int, wait: bool) -> bool:
+        with self._cv:
+            if wait:
+                while self.free < n:
+                    self._cv.wait()
+            elif self.free < n:
+                return False
+            self.free -= n
+            return True
+
+    def give(self, n: int) -> None:
+        if n:
+            with self._cv:
+                self.free += n
+                self._cv.notify_all()
+
+
 class KvObjects:
     """The stored objects under ``loc`` (see :class:`.direct.Objects`);
     ``error`` turns a failure of the store into the error to raise."""
 
     def __init__(self, loc: Location, error: ErrorFn) -> None:
         self.loc, self.error = loc, error
+        self.budget = Budget(IN_FLIGHT_BYTES)
         try:
             self.store = kv.open_store(loc)
         except ValueError as e:
@@ -85,7 +116,7 @@ class KvObject:
 
     def __init__(self, objects: KvObjects, rel: str, where: str) -> None:
         self.objects, self.rel, self.where = objects, rel, where
-        self._pending: collections.deque[ts.Future] = collections.deque()
+        self._pending: collections.deque[tuple[ts.Future, int, int, int]] = collections.deque()  # (read, offset, bytes, held)
 
     def _start(self, byte_range: slice) -> ts.Future:
         return self.objects.store.read(self.rel, byte_range=byte_range)
@@ -125,19 +156,21 @@ class KvObject:
 
     def fill(self, runs: list[tuple[int, int]], scratch: Callable[[int], memoryview]) -> Iterator[memoryview]:
         todo = collections.deque(runs)
-        started: collections.deque[tuple[int, int]] = collections.deque()
-        in_flight = 0
-        while todo or started:
-            while todo and (not started or in_flight + todo[0][1] <= WINDOW_BYTES):
+        budget = self.objects.budget
+        while todo or self._pending:
+            while todo and budget.take(held := min(todo[0][1], IN_FLIGHT_BYTES), wait=not self._pending):
                 offset, nbytes = todo.popleft()
-                self._pending.append(self._start(slice(offset, offset + nbytes)))
-                started.append((offset, nbytes))
-                in_flight += nbytes
-            offset, nbytes = started.popleft()
-            data = self._result(self._pending.popleft(), nbytes, offset)
-            in_flight -= nbytes
-            yield memoryview(data)
+                self._pending.append((self._start(slice(offset, offset + nbytes)), offset, nbytes, held))
+            future, offset, nbytes, held = self._pending[0]
+            data = self._result(future, nbytes, offset)
+            self._pending.popleft()
+            try:
+                yield memoryview(data)
+            finally:
+                budget.give(held)  # the caller is done with it
 
     def close(self) -> None:
         while self._pending:  # a read refused half-way: what it started need not finish
-            self._pending.popleft().cancel()
+            future, _, _, held = self._pending.popleft()
+            future.cancel()
+            self.objects.budget.give(held)

@@ -32,8 +32,7 @@ import os
 from collections.abc import Collection, Iterator
 
 from ..errors import InvalidPathError, TensorckptError
-from . import kv, pinned
-from . import direct
+from . import direct, kv, pinned
 from .commit_kv import RootLastCommit, stamped_age
 from .direct import Pool, Writer
 from .kvobjects import PROBE_AT, THREADS, KvObjects, size_in
