@@ -122,8 +122,9 @@ class KvObject:
         return self.objects.store.read(self.rel, byte_range=byte_range)
 
     def _result(self, future: ts.Future, wanted: int, start: int | None) -> bytes:
-        """The bytes of a started read: fewer than ``wanted`` where the
-        object ends before (``start``: the read's offset; None: a suffix)."""
+        """The bytes of a started read of ``wanted`` bytes from ``start``
+        (None: a suffix, of which an object shorter than ``wanted`` gives
+        none); a read past the object's end is refused as truncated."""
         objects = self.objects
         doing = f"reading {self.rel}"
         try:
@@ -131,10 +132,12 @@ class KvObject:
         except ValueError as e:
             if "OUT_OF_RANGE" not in str(e):
                 raise objects.error(objects.loc, e, doing) from e
-            size = size_in(str(e))  # past the end: as much as there is, without asking again
-            if size is None or start is None:
-                return b""
-            return bytes(max(0, min(wanted, size - start)))  # a short read: the caller refuses it by its length
+            if start is None:
+                return b""  # shorter than its index: the caller says so, with the size if the store gives it
+            size = size_in(str(e))
+            got = "fewer" if size is None else max(0, min(wanted, size - start))
+            raise CorruptCheckpointError(
+                f"{self.where}, is malformed (truncated or damaged): {got} of {wanted} bytes read") from None
         if r.state == "missing":
             raise CorruptCheckpointError(f"{self.where}, is missing")
         if r.state != "value":
