@@ -14,9 +14,9 @@ Who calls what, in which order:
   10.2, atomic rename of a staging directory) and :mod:`.commit_kv` (10.3,
   the root ``zarr.json`` written last);
 - a read (``storage/reader.py``, ``engine/load.py``, ``verify.py``):
-  :meth:`Backend.read` for each small document (capped, spec 12),
-  :meth:`Backend.sizes` to bound what a read may allocate, and
-  :meth:`Backend.chunk_reader` (or TensorStore arrays where it gives None);
+  :meth:`Backend.read` for each small document (capped, spec 12), and
+  :meth:`Backend.chunk_reader` where :attr:`Backend.fast_reads` (else
+  TensorStore arrays, :meth:`Backend.sizes` bounding what they may allocate);
 - ``clean`` and the manager: :meth:`Backend.names`, :meth:`Backend.age`,
   :meth:`Backend.committed_at`, :meth:`Backend.exists` and the strategy's
   ``leftovers`` / ``remove`` / ``promote`` / ``retire``.

@@ -118,7 +118,7 @@ class KnownSize:
     size: int
     run_bytes = BUFFER_BYTES
 
-    def pread(self, n: int, offset: int) -> bytes:
+    def pread(self, n: int, offset: int) -> bytes:  # the subclass's
         raise NotImplementedError
 
     def tail(self, n: int) -> bytes:
