@@ -190,3 +190,23 @@ def test_a_same_layout_load_asks_no_sizes(moto, s3, monkeypatch):
         c = tensorckpt.open(url)
         assert torch.equal(c.read("t3", (slice(100, 200),)), state["t3"][100:200])
         assert dict(proxy.requests) == {"GET": 1 + 1 + 2 + 1}, proxy.requests  # root, zarr.json, index + data, root
+
+
+@pytest.mark.timeout(60)
+def test_damage_in_every_object_fails_without_holding_the_read_budget(mem_url, monkeypatch):
+    """Reads that stop at a refused inner chunk give back their share of the
+    reader's in-flight budget at once: with room for one read in flight in
+    all, a load of many damaged objects fails (it hung when a failed read's
+    share stayed with its traceback)."""
+    from tensorckpt.storage import kvobjects
+
+    monkeypatch.setattr(kvobjects, "IN_FLIGHT_BYTES", 1)  # one read in flight, all threads together
+    url = mem_url()
+    state = {f"t{i}": torch.full((32, 16), float(i)) for i in range(16)}
+    tensorckpt.save(state, url)
+    for k in state:
+        data = bytearray(_get(url, f"{k}/c/0/0"))
+        data[10] ^= 1  # an element of the first inner chunk: its CRC-32C fails
+        _put(url, f"{k}/c/0/0", bytes(data))
+    with pytest.raises(CorruptCheckpointError, match=r"tensor 't\d+', chunk \(0, 0\), inner chunk .* fails its CRC-32C"):
+        tensorckpt.load({k: torch.empty_like(v) for k, v in state.items()}, url)

@@ -117,6 +117,7 @@ class KvObject:
     def __init__(self, objects: KvObjects, rel: str, where: str) -> None:
         self.objects, self.rel, self.where = objects, rel, where
         self._pending: collections.deque[tuple[ts.Future, int, int, int]] = collections.deque()  # (read, offset, bytes, held)
+        self._lent = 0  # the budget held by the bytes last given to the caller
 
     def _start(self, byte_range: slice) -> ts.Future:
         return self.objects.store.read(self.rel, byte_range=byte_range)
@@ -167,13 +168,20 @@ class KvObject:
             future, offset, nbytes, held = self._pending[0]
             data = self._result(future, nbytes, offset)
             self._pending.popleft()
-            try:
-                yield memoryview(data)
-            finally:
-                budget.give(held)  # the caller is done with it
+            self._lent = held
+            yield memoryview(data)
+            self._lent = 0
+            budget.give(held)  # the caller is done with it
 
     def close(self) -> None:
-        while self._pending:  # a read refused half-way: what it started need not finish
+        """Give back what this object's reads hold (also when the caller
+        stopped reading half-way: a refused inner chunk), cancelling those
+        still in flight; the caller always closes it (``Reader.read_object``),
+        so the budget never depends on when a dropped generator is collected."""
+        budget = self.objects.budget
+        while self._pending:
             future, _, _, held = self._pending.popleft()
             future.cancel()
-            self.objects.budget.give(held)
+            budget.give(held)
+        budget.give(self._lent)
+        self._lent = 0
