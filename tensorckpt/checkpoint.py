@@ -163,16 +163,18 @@ class Checkpoint(StoredArrays):
         lo = tuple(ix if isinstance(ix, int) else ix.start for ix in norm) + (0,) * len(rest)
         hi = tuple(ix + 1 if isinstance(ix, int) else ix.stop for ix in norm) + rest
         box = Box(lo, tuple(h - l for l, h in zip(lo, hi)))
-        self.check_objects(k, box)
+        numel = math.prod(shape)
+        strided = numel != box.numel  # a slice with a step: only part of the box
+        fast = numel > 0 and self._backend.fast_reads and direct.usable(e)
+        # a strided read: the box around it, by the same reader and checks, unless far larger than asked
+        fast = fast and (not strided or box.numel * d.itemsize <= max(TRUSTED_READ_BYTES, 4 * numel * d.itemsize))
+        self.check_objects(k, box, codec=fast)
         out = np.empty(shape, dtype=d.numpy)
-        strided = out.size != box.numel  # a slice with a step: only part of the box
-        fast = out.size and self._backend.fast_chunks and direct.usable(e)
         if fast and not strided:
-            with self._chunk_reader() as pool:  # as load reads local checkpoints
+            with self._chunk_reader() as pool:  # as load reads
                 for f in pool.read(k, e, box, out.reshape(box.shape), self.chunk_digests(k)):
                     f.result()
-        elif fast and box.numel * d.itemsize <= max(TRUSTED_READ_BYTES, 4 * out.nbytes):
-            # a strided read: the box around it, by the same reader and checks, then every step-th element
+        elif fast:  # strided: the box around it, then every step-th element
             self._check_backed(k, box.numel * d.itemsize)
             whole = np.empty(box.shape, dtype=d.numpy)
             with self._chunk_reader() as pool:
@@ -187,7 +189,7 @@ class Checkpoint(StoredArrays):
         """The whole checkpoint as a nested dict of tensors and values."""
         leaves = {split_flat_key(k): v for k, v in self._meta.values.items()}
         with self.one_version():
-            self.open_arrays(list(self._meta.tensors))
+            self.check_arrays(list(self._meta.tensors))  # every array document first, all at once
             for k in self._meta.tensors:
                 leaves[split_flat_key(k)] = self.read(k)
         return unflatten(leaves)

@@ -251,12 +251,14 @@ def _read_into(ckpt: StoredArrays, targets: dict[str, tuple[torch.Tensor, Box]],
     the stored dtype (at most ``SLAB_BYTES`` each) that are copied over, with
     conversion, as soon as their read is done. Reads are issued ahead up to
     ``IN_FLIGHT_BYTES`` of such buffers, so memory stays bounded whatever the
-    state's size. A local checkpoint is read by :mod:`tensorckpt.storage.direct`
-    (same bytes and checks, less CPU), any other through TensorStore."""
+    state's size. Where the backend has it (``fast_reads``: local files, S3,
+    memory://, fsspec) tensorckpt's own codec reads
+    (:mod:`tensorckpt.storage.direct`: same bytes, the chunk digests of 1.3
+    checked, less CPU), else TensorStore."""
     t0 = time.perf_counter()
     ckpt.check_arrays(list(targets))
     backend = backend_for(ckpt.location)
-    fast = backend.fast_chunks
+    fast = backend.fast_reads
     slow = [k for k in targets if not (fast and direct.usable(ckpt.index.tensors[k]))]
     srcs = ckpt.open_arrays(slow)
     pool = backend.chunk_reader(ckpt.read_location, ckpt.path) if len(slow) < len(targets) else None
@@ -287,7 +289,7 @@ def _read_into(ckpt: StoredArrays, targets: dict[str, tuple[torch.Tensor, Box]],
             stats.per_tensor[key] = (need, got)
             if box.numel == 0:
                 continue
-            ckpt.check_objects(key, box)
+            ckpt.check_objects(key, box, codec=key not in srcs)
             into = (
                 t.device.type == "cpu" and not t.requires_grad and not t.is_conj() and not t.is_neg()
                 and dtypes.torch_name(t.dtype) == e.dtype

@@ -14,9 +14,9 @@ Who calls what, in which order:
   10.2, atomic rename of a staging directory) and :mod:`.commit_kv` (10.3,
   the root ``zarr.json`` written last);
 - a read (``storage/reader.py``, ``engine/load.py``, ``verify.py``):
-  :meth:`Backend.read` for each small document (capped, spec 12),
-  :meth:`Backend.sizes` to bound what a read may allocate, and
-  :meth:`Backend.chunk_reader` (or TensorStore arrays where it gives None);
+  :meth:`Backend.read` for each small document (capped, spec 12), and
+  :meth:`Backend.chunk_reader` where :attr:`Backend.fast_reads` (else
+  TensorStore arrays, :meth:`Backend.sizes` bounding what they may allocate);
 - ``clean`` and the manager: :meth:`Backend.names`, :meth:`Backend.age`,
   :meth:`Backend.committed_at`, :meth:`Backend.exists` and the strategy's
   ``leftovers`` / ``remove`` / ``promote`` / ``retire``.
@@ -56,6 +56,9 @@ class Backend(Protocol):
     @property
     def fast_chunks(self) -> bool:
         """:meth:`chunk_writer` / :meth:`chunk_reader` give tensorckpt's own codec (``direct.py``)."""
+    @property
+    def fast_reads(self) -> bool:
+        """:meth:`chunk_reader` gives tensorckpt's own codec (also where TensorStore writes the chunks)."""
     @property
     def kvstore(self) -> bool:
         """TensorStore opens the location's kvstore spec; False: the backend

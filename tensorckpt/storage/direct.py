@@ -27,14 +27,20 @@ compares them).
 The I/O is one small interface, :class:`Objects` (whole-object writes,
 a stored object's size, ranged reads), so the same Writer / Pool / Reader
 logic runs over any storage: :class:`LocalObjects` (the default for a
-path: the fd / ``pread`` / ``preadv`` / ``os.write`` code described above)
-and :class:`tensorckpt.storage.fsspec.FsspecObjects` (``pipe_file``,
-``info``, ``cat_ranges``: every inner-chunk run one object needs in one call).
+path: the fd / ``pread`` / ``preadv`` / ``os.write`` code described above),
+:class:`tensorckpt.storage.fsspec.FsspecObjects` (``pipe_file``,
+``info``, ``cat_ranges``: every inner-chunk run one object needs in one call)
+and, for reads only, :class:`tensorckpt.storage.kvobjects.KvObjects` (a
+TensorStore kvstore's byte ranges: S3, memory://; the index by a suffix
+range, the size never asked).
 
-Nothing here trusts the stored object: its size, the index CRC, every
-index entry (offset, length == the inner chunk's encoded size, inside the
-object's data region, no two overlapping) are checked before a
-byte of data is read; damage
+Nothing here trusts the stored object: its size (where known), the index
+CRC, every index entry (offset, length == the inner chunk's encoded size,
+inside the object's data region, no two overlapping) are checked before a
+byte of data is read. Where the size is not known, the data region is taken
+as the most the object's inner chunks can fill: every read is still bounded
+by the checked metadata, and an entry past the real data reads index bytes
+or too few (a CRC-32C failure, or a short read); damage
 raises :class:`CorruptCheckpointError` naming the object, chunk and inner
 chunk. Objects are opened ``O_NOFOLLOW | O_NONBLOCK`` and must be regular
 files, so a link or a FIFO planted as a chunk neither escapes nor blocks.
@@ -83,15 +89,43 @@ def usable(entry: TensorEntry) -> bool:
 class Stored(Protocol):
     """One stored object opened for reading."""
 
-    size: int
+    @property
+    def size(self) -> int | None:
+        """Its size in bytes; None: not known without asking the store (an
+        object store: reads rely on the checked metadata alone)."""
+    @property
+    def run_bytes(self) -> int:
+        """The largest single read to ask of it (inner chunks stored back to back are read together)."""
 
     def pread(self, n: int, offset: int) -> bytes:
         """``n`` bytes from ``offset`` (fewer at the end)."""
-    def fill(self, runs: list[tuple[int, int]], view: memoryview) -> Iterator[int]:
-        """For each ``(offset, nbytes)`` of ``runs`` in turn: read them into
-        ``view[:nbytes]`` and yield how many bytes were read (the view is
-        overwritten by the next one)."""
+    def tail(self, n: int) -> bytes:
+        """The last ``n`` bytes (the shard index; fewer, or none, if the object is shorter)."""
+    def measure(self) -> int | None:
+        """The object's size, asked of the store if :attr:`size` is None
+        (for a message about a damaged object; None: the store does not say)."""
+    def fill(self, runs: list[tuple[int, int]], scratch: Callable[[int], memoryview]) -> Iterator[memoryview]:
+        """For each ``(offset, nbytes)`` of ``runs`` in turn: the bytes read
+        (``nbytes`` of them, fewer at the end), in ``scratch(n)`` (a reused
+        buffer of at least ``n`` bytes) or in memory of its own, valid until
+        the next is asked for."""
     def close(self) -> None: ...
+
+
+class KnownSize:
+    """:class:`Stored` methods of an object whose size is known when it is opened."""
+
+    size: int
+    run_bytes = BUFFER_BYTES
+
+    def pread(self, n: int, offset: int) -> bytes:  # the subclass's
+        raise NotImplementedError
+
+    def tail(self, n: int) -> bytes:
+        return self.pread(min(n, self.size), max(0, self.size - n))
+
+    def measure(self) -> int | None:
+        return self.size
 
 
 class Objects(Protocol):
@@ -150,7 +184,7 @@ class LocalObjects:
         return LocalFile(fd, st.st_size)
 
 
-class LocalFile:
+class LocalFile(KnownSize):
     """An open regular file (see :class:`Stored`)."""
 
     def __init__(self, fd: int, size: int) -> None:
@@ -159,9 +193,10 @@ class LocalFile:
     def pread(self, n: int, offset: int) -> bytes:
         return os.pread(self.fd, n, offset)
 
-    def fill(self, runs: list[tuple[int, int]], view: memoryview) -> Iterator[int]:
+    def fill(self, runs: list[tuple[int, int]], scratch: Callable[[int], memoryview]) -> Iterator[memoryview]:
+        view = scratch(max((n for _, n in runs), default=0))
         for offset, nbytes in runs:
-            yield os.preadv(self.fd, [view[:nbytes]], offset)
+            yield view[:os.preadv(self.fd, [view[:nbytes]], offset)]
 
     def close(self) -> None:
         os.close(self.fd)
@@ -285,22 +320,28 @@ class Reader:
         obj = self.objects.open(rel, where)
         try:
             most = g.bounds(pos)[1]
-            if obj.size > most:
-                raise CorruptCheckpointError(
-                    f"{where}, is {obj.size} bytes, more than its inner chunks and index can take ({most}): "
-                    "it is damaged or forged"
-                )
-            data_end = obj.size - g.index_bytes
-            if data_end < 0:
-                raise CorruptCheckpointError(
-                    f"{where}, is malformed (truncated or damaged): {obj.size} bytes, "
-                    f"shorter than its shard index ({g.index_bytes} bytes)"
-                )
-            index = codec.decode_index(g, obj.pread(g.index_bytes, data_end), where)
-            per_buf = max(1, BUFFER_BYTES // g.encoded)
+            if obj.size is None:  # not asked (a request saved): the index CRC and the entries' checks bound every read
+                raw = obj.tail(g.index_bytes)
+                try:
+                    index = codec.decode_index(g, raw, where)
+                except CorruptCheckpointError:
+                    _check_size(obj.measure(), g, most, where)  # a size that explains the damage is named first
+                    raise
+                data_end = most - g.index_bytes  # an entry past the real data reads the index or too little: refused
+            else:
+                _check_size(obj.size, g, most, where)
+                data_end = obj.size - g.index_bytes
+                index = codec.decode_index(g, obj.pread(g.index_bytes, data_end), where)
+            per_buf = max(1, obj.run_bytes // g.encoded)
             self._read_inner(obj, codec.plan_reads(g, index, data_end, pos, want, per_buf, where), dst, digest)
         finally:
             obj.close()
+
+    def _scratch(self, n: int) -> memoryview:
+        """This reader's reused buffer, of at least ``n`` bytes."""
+        if len(self._buf) < n:
+            self._buf = np.empty(n, np.uint8)
+        return self._buf.data
 
     def _read_inner(self, obj: Stored, reads: codec.Reads, dst: np.ndarray, digest: str | None = None) -> None:
         """Read, check and copy into ``dst`` the inner chunks ``reads`` names;
@@ -309,15 +350,14 @@ class Reader:
         g = reads.geometry
         crcs = bytearray(4 * len(reads.corder)) if digest is not None and reads.whole else None
         body = g.encoded - 4
-        if len(self._buf) < reads.most:
-            self._buf = np.empty(reads.most, np.uint8)
-        buf, addr, view = self._buf, self._buf.ctypes.data, self._buf.data
         check, src, to, encoded = reads.check, reads.src, reads.dst, g.encoded
         spans = [(first, (b - a) * encoded) for first, a, b in reads.runs]
-        for (_, a, b), got in zip(reads.runs, obj.fill(spans, view), strict=True):
+        for (_, a, b), view in zip(reads.runs, obj.fill(spans, self._scratch), strict=True):
             nbytes = (b - a) * encoded
-            if got != nbytes:
-                raise reads.short(got, nbytes)
+            if len(view) != nbytes:
+                raise reads.short(len(view), nbytes)
+            buf = np.frombuffer(view, np.uint8)
+            addr = buf.ctypes.data
             for k in range(a, b):
                 at = (k - a) * encoded
                 check(k, view, addr, at)
@@ -331,6 +371,23 @@ class Reader:
                 "are intact but belong elsewhere (a chunk swapped or replayed from another tensor, position "
                 "or checkpoint, or its inner chunks reordered)"
             )
+
+
+def _check_size(size: int | None, g: codec.Geometry, most: int, where: str) -> None:
+    """Refuse an object of ``size`` bytes (None: unknown) that its inner
+    chunks and index cannot make (``most``: the largest they make)."""
+    if size is None:
+        return
+    if size > most:
+        raise CorruptCheckpointError(
+            f"{where}, is {size} bytes, more than its inner chunks and index can take ({most}): "
+            "it is damaged or forged"
+        )
+    if size < g.index_bytes:
+        raise CorruptCheckpointError(
+            f"{where}, is malformed (truncated or damaged): {size} bytes, "
+            f"shorter than its shard index ({g.index_bytes} bytes)"
+        )
 
 
 def _digest_of(entry: TensorEntry, pos: tuple[int, ...], digests: list[str] | None) -> str | None:

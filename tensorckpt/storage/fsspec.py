@@ -117,7 +117,7 @@ class FsspecObjects:
         return FsspecObject(self.fs, path, info["size"], where)
 
 
-class FsspecObject:
+class FsspecObject(direct.KnownSize):
     """One stored object opened for ranged reads (see :class:`direct.Stored`)."""
 
     def __init__(self, fs: Any, path: str, size: int, where: str) -> None:
@@ -134,7 +134,7 @@ class FsspecObject:
         except Exception as e:
             raise TensorckptError(f"{self.where}, cannot be read: {type(e).__name__}: {_short(e)}") from e
 
-    def fill(self, runs: list[tuple[int, int]], view: memoryview) -> Iterator[int]:
+    def fill(self, runs: list[tuple[int, int]], scratch: Callable[[int], memoryview]) -> Iterator[memoryview]:
         if not runs:
             return
         try:
@@ -144,10 +144,8 @@ class FsspecObject:
             raise CorruptCheckpointError(f"{self.where}, is missing") from None
         except Exception as e:
             raise TensorckptError(f"{self.where}, cannot be read: {type(e).__name__}: {_short(e)}") from e
-        for (_, nbytes), data in zip(runs, got, strict=True):
-            n = min(len(data), nbytes)
-            view[:n] = data[:n]
-            yield len(data)
+        for data in got:
+            yield memoryview(data)
 
     def close(self) -> None:
         return None
@@ -184,6 +182,8 @@ class FsspecStore:
     @property
     def fast_chunks(self) -> bool:
         return direct.available(True)  # else every chunk is refused (Location.kvstore): there is no other codec
+
+    fast_reads = fast_chunks
 
     def _fs(self, loc: Location) -> tuple[Any, str]:
         return file_system(loc)

@@ -35,6 +35,8 @@ class LocalFileSystem:
     def fast_chunks(self) -> bool:
         return direct.available(True)
 
+    fast_reads = fast_chunks
+
     def read(self, loc: Location, key: str, limit: int, where: str) -> tuple[object, bytes | None]:
         try:
             return None, pinned.read_local(loc.path, key, limit, where)

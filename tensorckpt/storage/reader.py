@@ -9,10 +9,13 @@ TensorStore is then opened with that checked metadata, so it never parses a
 stored JSON document itself (its parser crashes on deeply nested input).
 On a file system the objects a read will open, and the directories above
 them, must be plain files and directories of a plausible size, and a large
-read must be backed by as many stored bytes. TensorStore decodes the chunks
-and verifies every CRC-32C; its errors become
+read must be backed by as many stored bytes. The chunks are decoded and
+every CRC-32C (and since 1.3 every chunk digest) checked by tensorckpt's own
+codec where the backend has it (``fast_reads``: local files, fsspec, S3 and
+memory://; :meth:`_chunk_reader`), else by TensorStore, whose errors become
 :class:`CorruptCheckpointError` naming the tensor and the stored chunk
-(:func:`wait`, :func:`chunk_error`).
+(:func:`wait`, :func:`chunk_error`); on S3 the sizes of the objects
+TensorStore will read are asked first (:meth:`StoredArrays.check_objects`).
 
 A reader reads one version (spec 10.7): it holds the :class:`~.pinned.Pin`
 it is given and reads everything through it; a read that a replace or
@@ -232,24 +235,27 @@ class StoredArrays:
         self.check_arrays([key])
         return self._digests.get(key)
 
-    def check_objects(self, key: str, region: Box) -> None:
-        """Before TensorStore opens them: the stored objects of tensor ``key``
+    def check_objects(self, key: str, region: Box, codec: bool = False) -> None:
+        """Before a read opens them: the stored objects of tensor ``key``
         that a read of ``region`` will open, and every directory above them, are plain files and directories
         on a local checkpoint. TensorStore follows links (out of the
         checkpoint) and blocks forever on a FIFO; a writer makes neither.
         A file larger than its inner chunks and index can take is refused
         too: TensorStore reads the span of the ranges it wants in one
         allocation, which a forged sparse file makes abort the process. On
-        an object store other processes write (S3) the sizes are checked
-        the same way, as the store gives them (:meth:`_check_stored_sizes`)."""
+        an object store (S3, memory://) the sizes are checked
+        the same way, as the store gives them (:meth:`_check_stored_sizes`),
+        unless the read goes through tensorckpt's own codec (``codec``:
+        :mod:`.direct`, whose every allocation is bounded by the checked
+        metadata): there nothing is asked of the store beforehand."""
         self._check_open()
-        if not self._fs and not self._backend.shared:
-            return  # memory://: only what this process wrote
+        if not self._fs and codec:
+            return  # an object store read by the codec: bounded without the sizes
         e = self._meta.tensors[key]
         spans = chunk_ranges(region, e.chunk_shape, e.shape)
         if math.prod(len(s) for s in spans) == 0:
             return
-        if not self._fs:  # an object store others write (S3): the same bounds, before TensorStore fetches anything
+        if not self._fs:  # an object store (S3, memory://): the same bounds, before TensorStore fetches anything
             self._check_stored_sizes(key, spans)
             return
         if math.prod(len(s) for s in spans) > 4096:  # many objects: one listing, proportional to what is stored

@@ -1,32 +1,41 @@
-"""TensorStore kvstore backends (see :mod:`.backend`): object stores with no
-rename and no modification times (a leftover's age is the time a save
-stamped in its marker), committed root-last (:mod:`.commit_kv`);
-chunks are read and written through TensorStore arrays
-(:mod:`.arrays`). ``memory://`` and ``s3://`` (TensorStore's ``s3`` driver,
-configured from the AWS environment variables: :mod:`.location`); another
-store is one more subclass with its flags, and one line in
-``backend._REGISTRY``.
+"""TensorStore kvstore backends (see :mod:`.backend`): ``memory://`` and
+``s3://`` (TensorStore's ``s3`` driver, configured from the AWS environment
+variables: :mod:`.location`), object stores with no rename and no
+modification times (a leftover's age is the time a save stamped in its
+marker), committed root-last (:mod:`.commit_kv`). Another store is one more
+subclass with its flags, and one line in ``backend._REGISTRY``.
+
+Chunks are written through TensorStore arrays (:mod:`.arrays`) and read
+through tensorckpt's own codec (:mod:`.direct` over the kvstore's byte
+ranges, :mod:`.kvobjects`: ``chunk_reader``), so the checks of local reads
+apply here too (the chunk digests of format 1.3, overlapping index entries,
+bounds from the checked metadata, without asking any object's size).
+TensorStore's arrays still read what that codec does not take: a tensor
+whose shard index or inner chunk exceeds its buffers (``direct.usable``;
+those reads are bounded first by the sizes S3 gives,
+``StoredArrays.check_objects``), everything ``verify`` reads, and every
+read on a host without the native CRC-32C (``fast_reads`` False).
 
 On S3 every operation is bounded: TensorStore's S3 client has no timeout of
 its own (an endpoint that accepts connections and never answers hangs it),
 so each kvstore operation waits at most ``TENSORCKPT_S3_TIMEOUT`` seconds
 (default 60) before a ``TensorckptError`` naming the URL and the operation,
-and each HTTP request of the arrays' reads and writes is ended by libcurl
-when it moves no byte for that long (``TENSORSTORE_CURL_LOW_SPEED_*``, set
-from it unless already set; TensorStore reads them once per process) and
-retried within ``location.S3_RETRIES``.
+and each HTTP request is ended by libcurl when it moves no byte for that
+long (``TENSORSTORE_CURL_LOW_SPEED_*``, set from it unless already set;
+TensorStore reads them once per process) and retried within
+``location.S3_RETRIES``.
 """
 
 from __future__ import annotations
 
 import os
-import re
 from collections.abc import Collection, Iterator
 
 from ..errors import InvalidPathError, TensorckptError
-from . import kv, pinned
+from . import direct, kv, pinned
 from .commit_kv import RootLastCommit, stamped_age
 from .direct import Pool, Writer
+from .kvobjects import PROBE_AT, THREADS, KvObjects, size_in
 from .location import Location
 
 
@@ -43,6 +52,14 @@ class KvStore:
     @property
     def timeout(self) -> float | None:
         return None
+
+    @property
+    def fast_reads(self) -> bool:
+        return direct.available(True)
+
+    def read_error(self, loc: Location, e: ValueError, doing: str) -> TensorckptError:
+        """A failure of the store, as the error a reader raises."""
+        return TensorckptError(f"{loc}: {doing} failed: {str(e).split(' [')[0]}")
 
     def read(self, loc: Location, key: str, limit: int, where: str) -> tuple[object, bytes | None]:
         return pinned.read_remote(loc, key, limit, where)
@@ -91,7 +108,9 @@ class KvStore:
         return None
 
     def chunk_reader(self, loc: Location, url: str, threads: int | None = None) -> Pool | None:
-        return None
+        if not self.fast_reads:
+            return None
+        return Pool(KvObjects(loc, self.read_error), url, threads=threads or THREADS)
 
 
 class MemoryStore(KvStore):
@@ -101,8 +120,6 @@ class MemoryStore(KvStore):
 
 
 S3_TIMEOUT_DEFAULT = 60.0  # seconds: TENSORCKPT_S3_TIMEOUT when unset
-PROBE_AT = 1 << 40  # a byte offset past any stored object: S3 answers 416 with the object's size
-_ACTUAL_SIZE = re.compile(r"<ActualObjectSize>(\d+)</ActualObjectSize>")
 
 
 class S3Store(KvStore):
@@ -128,6 +145,9 @@ class S3Store(KvStore):
         if not t > 0:
             raise InvalidPathError(f"TENSORCKPT_S3_TIMEOUT={raw!r}: must be a positive number of seconds")
         return t
+
+    def read_error(self, loc: Location, e: ValueError, doing: str) -> TensorckptError:
+        return s3_error(loc, e, doing)
 
     def read(self, loc: Location, key: str, limit: int, where: str) -> tuple[object, bytes | None]:
         try:
@@ -163,8 +183,7 @@ class S3Store(KvStore):
                     continue  # deleted since the listing
                 if "OUT_OF_RANGE" not in str(e):  # not the 416 asked for: the request failed (retries spent)
                     raise s3_error(loc, e, f"reading the size of {prefix}/{name}") from e
-                m = _ACTUAL_SIZE.search(str(e))
-                size = int(m.group(1)) if m else None
+                size = size_in(str(e))
             if size is None:
                 data = kv.read(sub, name)
                 if data is None:
