@@ -13,8 +13,8 @@ from dataclasses import replace
 import numpy as np
 
 from ..errors import TensorckptError
-from ..format.arrays import array_json, chunk_count
 from ..format import metadata
+from ..format.arrays import array_json, chunk_count
 from ..format.metadata import MAX_NODE_JSON_BYTES, RootMetadata, TensorEntry, dumps, new_checkpoint_id, root_group_json
 from ..storage import kv, location
 from ..storage.backend import backend_for

@@ -55,7 +55,7 @@ def _split(dims: tuple[int, ...], itemsize: int, target_bytes: int, largest: int
     while math.prod(out) * itemsize > target_bytes:
         factors = [_smallest_prime_factor(n, largest) for n in out]
         splittable = [i for i, (n, f) in enumerate(zip(out, factors))
-                      if 1 < f and (f <= largest if largest is not None else f < n)]
+                      if f > 1 and (f <= largest if largest is not None else f < n)]
         if not splittable:
             break
         d = max(splittable, key=lambda i: (out[i], i))  # ties: the later dimension

@@ -32,8 +32,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..errors import IncompatibleStateError, TensorckptError
-from ..format import dtypes
-from ..format import metadata
+from ..format import dtypes, metadata
 from ..format.metadata import TensorEntry, past_caps
 from . import grid, regrid, tiling
 from .boxes import Box, chunk_box
