@@ -54,11 +54,13 @@ def seal(loc: location.Location, meta: RootMetadata, digests: Digests) -> bytes:
     root = root_group_json(meta)
     _check_root_size(loc, meta, root)  # before anything more is written
     try:
-        kv.write_many_async(loc, docs)()
+        new = kv.rewrite_durably(loc, docs)  # a local save wrote them with its data: rewritten in place
+        kv.write_many_async(loc, new)()
     except OSError as err:
         raise TensorckptError(f"{loc}: writing the array metadata (zarr.json of each tensor) failed: {err}") from err
     try:
-        backend_for(loc).sync(loc, set(docs))
+        if new:
+            backend_for(loc).sync(loc, set(new))
     except OSError as err:
         raise TensorckptError(f"{loc}: making the array metadata durable failed: {err}") from err
     return root
