@@ -118,8 +118,7 @@ def _arm(kill_at: int | None) -> list[int]:
 
         return op
 
-    for name in ("write", "delete", "delete_all", "copy_all", "sync_tree", "sync_files", "fsync_dir", "rewrite_durably",
-                 "write_many_async"):
+    for name in ("write", "delete", "delete_all", "copy_all", "sync_tree", "sync_files", "fsync_dir", "write_many_async"):
         setattr(kv, name, wrap(getattr(kv, name)))
     for module in (commit_local, manager):
         fake = types.SimpleNamespace(**{n: getattr(os, n) for n in dir(os) if not n.startswith("__")})

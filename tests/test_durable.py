@@ -89,13 +89,13 @@ def test_each_directory_is_fsynced_once(tmp_path, monkeypatch):
     staging = [d for d in dirs if ".tensorckpt-staging-" in d]
     assert len(set(staging)) >= 61  # the staging directory, t0 .. t19, each one's w and v and their chunk folders c
     counts = Counter(staging)
-    # every folder once, with the data: an array's zarr.json is written then (as in 1.2) and the seal
-    # rewrites it in place with its chunks' digests (format 1.3, engine/seal.py: same inode, a file
-    # fsync, no new directory entry); the staging directory itself once more by the commit (after
-    # the root zarr.json)
+    # chunk folders once; an array's folder (and those above it) once more by the seal, which writes
+    # the array zarr.json with its chunks' digests after the data is durable (format 1.3, engine/seal.py);
+    # the staging directory itself once more by the commit (after the root zarr.json)
+    assert all(n == 1 for d, n in counts.items() if d.endswith("/c")), counts
     root = min(counts, key=len)
-    assert all(n == 1 for d, n in counts.items() if d != root), counts
-    assert counts[root] == 2, counts
+    assert all(n == 2 for d, n in counts.items() if not d.endswith("/c") and d != root), counts
+    assert counts[root] == 3, counts
 
 
 def test_sync_tree_stays_for_unknown_files(tmp_path):
@@ -123,38 +123,3 @@ def test_a_save_of_thousands_of_objects_syncs_the_file_system_once(tmp_path, mon
     out = {k: torch.zeros(3) for k in state}
     tensorckpt.load(out, tmp_path / "ckpt")
     assert all(torch.equal(out[k], state[k]) for k in state)
-
-
-def test_sealed_array_documents_are_the_bytes_written_as_new_files(tmp_path, monkeypatch):
-    """A local save writes each array's zarr.json with its data and the seal
-    rewrites it in place; the committed bytes are those of the seal writing
-    it as a new file (how object stores and convert get it), chunk for chunk."""
-    from tensorckpt.engine import save as save_module
-
-    monkeypatch.setattr(save_module, "new_checkpoint_id", lambda: "ab" * 16)  # the same id: the same documents
-    tensorckpt.save(_state(), tmp_path / "in_place")
-    monkeypatch.setattr(kv, "rewrites_in_place", lambda loc: False)
-    tensorckpt.save(_state(), tmp_path / "new_files")
-
-    def files(root):
-        return {os.path.relpath(os.path.join(d, n), root): open(os.path.join(d, n), "rb").read()
-                for d, _, names in os.walk(root) for n in names if os.path.join(d, n) != os.path.join(root, "zarr.json")}
-
-    a, b = files(tmp_path / "in_place"), files(tmp_path / "new_files")
-    assert a == b and any(k.endswith("/zarr.json") and b'"chunk_digests"' in v for k, v in a.items())
-    assert tensorckpt.verify(tmp_path / "in_place").ok
-
-
-def test_rewrite_durably(tmp_path):
-    """In place (a shorter document leaves no tail), only files that exist;
-    elsewhere than on local files, nothing (the caller writes them)."""
-    from tensorckpt.storage import location
-
-    loc = location.parse(str(tmp_path))
-    (tmp_path / "a").write_bytes(b"x" * 100)
-    ino = os.stat(tmp_path / "a").st_ino
-    assert kv.rewrite_durably(loc, {"a": b"short", "b": b"new"}) == {"b": b"new"}
-    assert (tmp_path / "a").read_bytes() == b"short" and os.stat(tmp_path / "a").st_ino == ino
-    assert not (tmp_path / "b").exists()
-    mem = location.parse("memory://x/y")
-    assert kv.rewrite_durably(mem, {"a": b"1"}) == {"a": b"1"}

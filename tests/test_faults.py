@@ -438,7 +438,7 @@ class Injector:
 
     def __init__(self, monkeypatch, k: int, code: int) -> None:
         self.k, self.code, self.calls = k, code, []
-        for name in ("write", "delete", "delete_all", "copy_all", "sync_tree", "sync_files", "fsync_dir", "rewrite_durably"):
+        for name in ("write", "delete", "delete_all", "copy_all", "sync_tree", "sync_files", "fsync_dir"):
             monkeypatch.setattr(kv, name, self._wrap(name, getattr(kv, name)))
         inner = kv.write_many_async
 

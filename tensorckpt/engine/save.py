@@ -433,9 +433,7 @@ def _write_local(
     that follows cannot race a write still in flight."""
     received = received or {}
     leaves = flatten(state, check_values=False)
-    objects = {f"{gk}/zarr.json": _GROUP_JSON for gk in _groups(plan)} if rank == 0 else {}
-    if rank == 0 and kv.rewrites_in_place(loc):  # arrays' too, without digests: their entries made durable with
-        objects.update({f"{k}/zarr.json": arrays.zarr_json(e) for k, e in plan.entries.items()})  # the data (seal.py)
+    objects = {f"{gk}/zarr.json": _GROUP_JSON for gk in _groups(plan)} if rank == 0 else {}  # arrays': seal()
     backend = backend_for(loc)
     backend.prepare(loc)  # also when this rank writes nothing
     mine = plan.writes_of(rank)

@@ -54,13 +54,11 @@ def seal(loc: location.Location, meta: RootMetadata, digests: Digests) -> bytes:
     root = root_group_json(meta)
     _check_root_size(loc, meta, root)  # before anything more is written
     try:
-        new = kv.rewrite_durably(loc, docs)  # a local save wrote them with its data: rewritten in place
-        kv.write_many_async(loc, new)()
+        kv.write_many_async(loc, docs)()
     except OSError as err:
         raise TensorckptError(f"{loc}: writing the array metadata (zarr.json of each tensor) failed: {err}") from err
     try:
-        if new:
-            backend_for(loc).sync(loc, set(new))
+        backend_for(loc).sync(loc, set(docs))
     except OSError as err:
         raise TensorckptError(f"{loc}: making the array metadata durable failed: {err}") from err
     return root

@@ -185,52 +185,6 @@ def sync_files(root: str, keys: Collection[str], fsynced: Collection[str] = ()) 
         _fsync(p)
 
 
-def rewrites_in_place(loc: Location) -> bool:
-    """Whether :func:`rewrite_durably` can overwrite objects of ``loc`` in
-    place (local files)."""
-    return loc.scheme == "file"
-
-
-def rewrite_durably(loc: Location, objects: dict[str, bytes]) -> dict[str, bytes]:
-    """Replace the contents of those ``objects`` that already exist as local
-    files whose directory entries are durable (written and synced earlier
-    with their directories) in place: the same inode, rewritten and fsynced,
-    so no directory needs another fsync (spec 10.1; how a 1.3 save seals its
-    array ``zarr.json`` documents). Returns the objects it did not write
-    (all of them off a local file system, and any not there), for the caller
-    to write and sync as new ones. Past ``SYNCFS_ABOVE`` objects one syncfs
-    replaces their fsyncs, as in :func:`sync_files`."""
-    if not objects or not rewrites_in_place(loc):
-        return objects
-    one_syncfs = len(objects) > SYNCFS_ABOVE
-
-    def rewrite(key: str, data: bytes) -> bool:
-        try:
-            fd = os.open(os.path.join(loc.path, key), os.O_WRONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
-        except FileNotFoundError:
-            return False
-        try:
-            view = memoryview(data)
-            while view:
-                view = view[os.write(fd, view):]
-            os.ftruncate(fd, len(data))
-            if not one_syncfs:
-                os.fsync(fd)
-        finally:
-            os.close(fd)
-        return True
-
-    items = list(objects.items())
-    if len(items) > 1:
-        with ThreadPoolExecutor(min(SYNC_THREADS, len(items)), thread_name_prefix="tensorckpt-sync") as pool:
-            done = list(pool.map(lambda kd: rewrite(*kd), items))
-    else:
-        done = [rewrite(*kd) for kd in items]
-    if one_syncfs:
-        sync_tree(loc.path)
-    return {k: d for (k, d), ok in zip(items, done) if not ok}
-
-
 def sync_tree(path: str) -> None:
     """Make everything written under a local directory durable: one syncfs of
     its file system, which also flushes what other processes wrote there
