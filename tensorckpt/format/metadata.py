@@ -434,7 +434,7 @@ def parse_tensor_entry(entry: object, where: str) -> TensorEntry:
     e = TensorEntry(dtype.torch_name, shape, chunk, inner)
     over = past_caps(e)
     if over:
-        raise CorruptCheckpointError(f"{where}: {over}; no writer makes such an entry (it is forged or damaged)")
+        raise CorruptCheckpointError(f"{where}: {over}; writers must not write such an entry (it is damaged or forged)")
     return e
 
 
