@@ -200,6 +200,8 @@ def test_garbage_root_is_a_violation_not_a_traceback(sharded, data, rule):
     (lambda m: m["tensors"]["vec"].update(inner_chunk_shape=[3]), "tensor-entry"),  # does not divide 8
     (lambda m: m["tensors"]["vec"].update(shape=[30.0]), "tensor-entry"),  # 30.0 is not an integer
     (lambda m: m["tensors"]["vec"].update(data_type="float32"), "tensor-entry"),
+    (lambda m: m["tensors"]["vec"].update(chunk_shape=[2**38], inner_chunk_shape=[2**38]), "tensor-entry"),  # 12: 1 TiB+
+    (lambda m: m["tensors"]["vec"].update(chunk_shape=[2**23], inner_chunk_shape=[1]), "tensor-entry"),  # 128 MiB index
     (lambda m: m["values"].update({"x": 2**64}), "value"),
     (lambda m: m.update(world_size=0), "root-metadata"),
     (lambda m: m.update(save_stats={"seconds": {"plan": [-1]}}), "save-stats"),

@@ -50,6 +50,8 @@ except ImportError:  # run as a script: python conformance/validate.py
 DTYPES, MAX_DIM = base.DTYPES, base.MAX_DIM
 is_int, key_problem, prefixes, schema_errors = base.is_int, base.key_problem, base.prefixes, base.schema_errors
 ROOT_JSON_CAP = 256 << 20  # largest root zarr.json read
+INNER_CHUNK_CAP = 256 << 20  # largest encoded inner chunk of an entry (section 12)
+SHARD_INDEX_CAP = 64 << 20  # largest shard index of an entry (section 12)
 WALK_CAP = base.WALK_CAP
 SHOWN = 20  # violations shown per rule; the rest are counted
 STAGING = ".tensorckpt-staging-"
@@ -256,6 +258,10 @@ def entry_problem(e: Any) -> str | None:
         return f"has inner_chunk_shape {e['inner_chunk_shape']} that does not divide chunk_shape {e['chunk_shape']}"
     if math.prod(e["shape"]) > MAX_DIM or math.prod(e["chunk_shape"]) > MAX_DIM:
         return "has a shape or chunk_shape whose product exceeds 2^62"
+    if math.prod(e["inner_chunk_shape"]) * DTYPES[e["dtype"]][1] + 4 > INNER_CHUNK_CAP:
+        return "has an encoded inner chunk larger than 256 MiB (section 12)"
+    if 16 * math.prod(c // i for c, i in zip(e["chunk_shape"], e["inner_chunk_shape"])) + 4 > SHARD_INDEX_CAP:
+        return "has a shard index larger than 64 MiB (section 12)"
     return None
 
 

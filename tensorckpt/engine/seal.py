@@ -13,8 +13,9 @@ from dataclasses import replace
 import numpy as np
 
 from ..errors import TensorckptError
+from ..format import metadata
 from ..format.arrays import array_json, chunk_count
-from ..format.metadata import MAX_NODE_JSON_BYTES, RootMetadata, TensorEntry, new_checkpoint_id, root_group_json
+from ..format.metadata import MAX_NODE_JSON_BYTES, RootMetadata, TensorEntry, dumps, new_checkpoint_id, root_group_json
 from ..storage import kv, location
 from ..storage.backend import backend_for
 
@@ -48,6 +49,10 @@ def seal(loc: location.Location, meta: RootMetadata, digests: Digests) -> bytes:
                 f"{loc}: tensor {key!r} has {len(order)} chunks, whose digests make its zarr.json larger than "
                 f"readers accept ({MAX_NODE_JSON_BYTES} bytes, spec 12); save it with a larger shard_bytes"
             )
+    sums = {k.removesuffix("/zarr.json"): hashlib.sha256(d).hexdigest() for k, d in docs.items()}
+    meta = replace(meta, array_digests=sums)
+    root = root_group_json(meta)
+    _check_root_size(loc, meta, root)  # before anything more is written
     try:
         kv.write_many_async(loc, docs)()
     except OSError as err:
@@ -56,8 +61,23 @@ def seal(loc: location.Location, meta: RootMetadata, digests: Digests) -> bytes:
         backend_for(loc).sync(loc, set(docs))
     except OSError as err:
         raise TensorckptError(f"{loc}: making the array metadata durable failed: {err}") from err
-    sums = {k.removesuffix("/zarr.json"): hashlib.sha256(d).hexdigest() for k, d in docs.items()}
-    return root_group_json(replace(meta, array_digests=sums))
+    return root
+
+
+def _check_root_size(loc: location.Location, meta: RootMetadata, root: bytes) -> None:
+    """Refuse a root ``zarr.json`` larger than readers accept (spec 12), saying
+    what makes it large: the index (one entry and one digest per tensor) or
+    the values."""
+    cap = metadata.MAX_ROOT_JSON_BYTES
+    if len(root) <= cap:
+        return
+    values = len(dumps(meta.values))
+    raise TensorckptError(
+        f"{loc}: the root zarr.json would be {len(root)} bytes, more than the {cap} readers accept (spec 12): "
+        f"{len(meta.tensors)} tensors (about {(len(root) - values) // max(1, len(meta.tensors))} bytes of index each) "
+        f"and {len(meta.values)} values ({values} bytes of JSON); nothing was committed. Save fewer, larger tensors "
+        "(e.g. stack per-layer ones) or store large values as tensors"
+    )
 
 
 def _grid(e: TensorEntry) -> tuple[int, ...]:

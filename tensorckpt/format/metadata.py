@@ -46,6 +46,8 @@ MAX_ELEMENTS = 2**62  # no real tensor is larger; rejects hostile shapes early
 MAX_DEPTH = 256  # deepest JSON nesting, and most components of a flat key, a reader accepts (spec 12)
 MAX_ROOT_JSON_BYTES = 256 << 20  # the largest root zarr.json a reader parses (spec 12)
 MAX_NODE_JSON_BYTES = 16 << 20  # the largest array or group zarr.json a reader parses (spec 12)
+MAX_INNER_CHUNK_BYTES = 256 << 20  # the largest encoded inner chunk (elements + CRC-32C) of an entry (spec 12)
+MAX_SHARD_INDEX_BYTES = 64 << 20  # the largest shard index (16 bytes per inner chunk + CRC-32C) of an entry (spec 12)
 
 
 # ------------------------------------------------------------- JSON forms
@@ -429,7 +431,27 @@ def parse_tensor_entry(entry: object, where: str) -> TensorEntry:
         raise CorruptCheckpointError(f"{where}: inner_chunk_shape {inner} does not divide chunk_shape {chunk}")
     if math.prod(shape) > MAX_ELEMENTS or math.prod(chunk) > MAX_ELEMENTS:
         raise CorruptCheckpointError(f"{where}: shape {shape} is implausibly large")
-    return TensorEntry(dtype.torch_name, shape, chunk, inner)
+    e = TensorEntry(dtype.torch_name, shape, chunk, inner)
+    over = past_caps(e)
+    if over:
+        raise CorruptCheckpointError(f"{where}: {over}; writers must not write such an entry (it is damaged or forged)")
+    return e
+
+
+def past_caps(e: TensorEntry) -> str:
+    """What of ``e``'s stored objects is larger than spec 12 allows (its
+    encoded inner chunk, its shard index), or "" if nothing: readers refuse
+    such an entry when they validate the root, writers never plan one."""
+    inner = math.prod(e.inner_chunk_shape) * e.itemsize + 4
+    if inner > MAX_INNER_CHUNK_BYTES:
+        return (f"its inner chunk {list(e.inner_chunk_shape)} of {e.dtype} is {inner} bytes encoded, more than the "
+                f"{MAX_INNER_CHUNK_BYTES} ({MAX_INNER_CHUNK_BYTES >> 20} MiB) a reader accepts (spec 12)")
+    index = 16 * math.prod(c // i for c, i in zip(e.chunk_shape, e.inner_chunk_shape)) + 4
+    if index > MAX_SHARD_INDEX_BYTES:
+        return (f"its chunk {list(e.chunk_shape)} holds {(index - 4) // 16} inner chunks {list(e.inner_chunk_shape)}, "
+                f"a shard index of {index} bytes, more than the {MAX_SHARD_INDEX_BYTES} "
+                f"({MAX_SHARD_INDEX_BYTES >> 20} MiB) a reader accepts (spec 12)")
+    return ""
 
 
 def _shape(v: object, where: str, allow_zero: bool) -> tuple[int, ...]:

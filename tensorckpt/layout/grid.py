@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import math
 
+from ..format.metadata import MAX_INNER_CHUNK_BYTES
+
 DEFAULT_SHARD_BYTES = 64 << 20
 DEFAULT_INNER_BYTES = 256 << 10  # near-square [256, 256] fp32: cheap partial reads both ways
 
@@ -38,28 +40,42 @@ def inner_chunks(shard: tuple[int, ...], itemsize: int, target_bytes: int = DEFA
     ``target_bytes`` where divisibility allows: repeatedly split the largest
     dimension by its smallest prime factor, which keeps inner chunks
     near-square so both row and column readers fetch little extra. A dimension
-    whose smallest factor exceeds 16 is left whole rather than cut to slivers."""
-    inner = list(shard)
-    while math.prod(inner) * itemsize > target_bytes:
-        splittable = [i for i in range(len(inner)) if 1 < _smallest_prime_factor(inner[i]) <= 16]
+    whose smallest factor exceeds 16 is left whole rather than cut to slivers,
+    unless the inner chunk would then be larger than a reader accepts
+    (``MAX_INNER_CHUNK_BYTES``, spec 12): past that, any factor is used (a
+    dimension with none, a prime, stays whole and the plan refuses the tensor)."""
+    inner = _split(shard, itemsize, target_bytes, 16)
+    return _split(inner, itemsize, MAX_INNER_CHUNK_BYTES - 4, None)  # the cap counts the CRC-32C's 4 bytes
+
+
+def _split(dims: tuple[int, ...], itemsize: int, target_bytes: int, largest: int | None) -> tuple[int, ...]:
+    """``dims`` split as :func:`inner_chunks` says, by factors up to
+    ``largest`` (None: any factor of a dimension that is not prime)."""
+    out = list(dims)
+    while math.prod(out) * itemsize > target_bytes:
+        factors = [_smallest_prime_factor(n, largest) for n in out]
+        splittable = [i for i, (n, f) in enumerate(zip(out, factors))
+                      if f > 1 and (f <= largest if largest is not None else f < n)]
         if not splittable:
             break
-        d = max(splittable, key=lambda i: (inner[i], i))  # ties: the later dimension
-        inner[d] //= _smallest_prime_factor(inner[d])
-    return tuple(inner)
+        d = max(splittable, key=lambda i: (out[i], i))  # ties: the later dimension
+        out[d] //= factors[d]
+    return tuple(out)
 
 
-def _smallest_prime_factor(n: int) -> int:
+def _smallest_prime_factor(n: int, largest: int | None = 16) -> int:
+    """The smallest prime factor of ``n``, or, where it exceeds ``largest``,
+    some number above ``largest`` (``n`` where it is prime)."""
     f = 2
-    while f * f <= n and f <= 16:
+    while f * f <= n and (largest is None or f <= largest):
         if n % f == 0:
             return f
         f += 1
-    return n if f * f > n else f  # f > 16: some factor above 16 (or n prime)
+    return n if f * f > n else f  # f > largest: some factor above it (or n prime)
 
 
 def cap_chunks(chunk: tuple[int, ...], itemsize: int, shard_bytes: int = DEFAULT_SHARD_BYTES) -> tuple[int, ...]:
     """Split a chunk (from :func:`tensorckpt.layout.regrid.choose_grid`) into
     divisors of itself until it holds at most ``shard_bytes`` where
     divisibility allows; boundaries of the uncapped grid stay chunk boundaries."""
-    return inner_chunks(chunk, itemsize, shard_bytes)
+    return _split(chunk, itemsize, shard_bytes, 16)

@@ -24,15 +24,16 @@ independent of each other: they are made together.
 from __future__ import annotations
 
 import bisect
+import math
 import zlib
 from collections import Counter
 from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..errors import IncompatibleStateError
-from ..format import dtypes
-from ..format.metadata import TensorEntry
+from ..errors import IncompatibleStateError, TensorckptError
+from ..format import dtypes, metadata
+from ..format.metadata import TensorEntry, past_caps
 from . import grid, regrid, tiling
 from .boxes import Box, chunk_box
 from .local import LocalItem, LocalItems, LocalPlan, Spec, decode_table
@@ -246,10 +247,27 @@ def _plan_tensor(
         if coarse and not regrid.aligned(starts, chunk):
             owned = regrid.assign(shape, chunk, starts, sizes)
     entry = TensorEntry(dtype, shape, chunk, grid.inner_chunks(chunk, itemsize, inner_bytes))
+    _check_caps(key, entry, shard_bytes, inner_bytes)
     writers = _writers(box_of, slots, len(boxes), load)
     load[writers] += (tiling.row_product(sizes) if owned is None else owned.owned) * itemsize
     meta = int(rank_of[writers[0] if len(writers) else ref_layout.first_slot])
     return entry, writers, meta, None if owned is None else _regrid(owned, rank_of[writers])
+
+
+def _check_caps(key: str, entry: TensorEntry, shard_bytes: int, inner_bytes: int) -> None:
+    """Refuse, before anything is written, a tensor whose entry readers would
+    refuse (spec 12: an encoded inner chunk over 256 MiB, a shard index over
+    64 MiB), saying what to pass instead."""
+    over = past_caps(entry)
+    if not over:
+        return
+    if math.prod(entry.inner_chunk_shape) * entry.itemsize + 4 > metadata.MAX_INNER_CHUNK_BYTES:  # no divisor left to cut
+        fix = ("no dimension of it can be divided further (inner chunks divide the stored chunk); reshape the "
+               "tensor so that its dimensions have small factors, e.g. save it flattened")
+    else:
+        fix = (f"pass a larger inner_chunk_bytes= (now {inner_bytes}) or a smaller shard_bytes= (now {shard_bytes}): "
+               f"a stored object holds at most {(metadata.MAX_SHARD_INDEX_BYTES - 4) // 16} inner chunks")
+    raise TensorckptError(f"tensor {key!r} (shape {list(entry.shape)}, {entry.dtype}) cannot be saved: {over}; {fix}")
 
 
 def _regrid(own: regrid.Ownership, writer_rank: np.ndarray) -> Regrid:

@@ -59,7 +59,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from ..errors import CheckpointPermissionError, CorruptCheckpointError
-from ..format.metadata import TensorEntry
+from ..format.metadata import MAX_INNER_CHUNK_BYTES, MAX_SHARD_INDEX_BYTES, TensorEntry
 from ..layout.boxes import Box, read_plan
 from . import codec
 from .arrays import chunk_key
@@ -67,8 +67,8 @@ from .arrays import chunk_key
 BUFFER_BYTES = 1 << 20  # largest single read (stays in the CPU cache for the check and copy that follow)
 THREADS = 4  # stored objects read at once: reads of one overlap the checks and copies of others
 WRITE_THREADS = 4  # stored objects written at once: one encodes while others wait on the disk
-MAX_INDEX_BYTES = 64 << 20  # larger shard indexes and inner chunks are left to TensorStore
-MAX_INNER_BYTES = 256 << 20
+MAX_INDEX_BYTES = MAX_SHARD_INDEX_BYTES  # what this path buffers whole: the format's caps (spec 12), so every
+MAX_INNER_BYTES = MAX_INNER_CHUNK_BYTES  # entry a reader accepts (parse_tensor_entry refuses the rest)
 
 
 def available(local: bool) -> bool:
@@ -81,7 +81,9 @@ def available(local: bool) -> bool:
 def usable(entry: TensorEntry) -> bool:
     """Whether this path reads ``entry``: its shard index and inner chunk are
     of a size it buffers whole (decided from the checked metadata, before
-    any I/O, so a forged entry cannot make it allocate)."""
+    any I/O, so a forged entry cannot make it allocate). Every entry that
+    passed the root's validation is (the caps are the format's); a test
+    lowers them to send entries to TensorStore."""
     g = codec.geometry(entry)
     return g.index_bytes <= MAX_INDEX_BYTES and g.encoded <= MAX_INNER_BYTES
 
