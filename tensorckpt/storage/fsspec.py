@@ -10,9 +10,9 @@ codec (:mod:`.direct` over :class:`FsspecObjects`: ``pipe_file`` for whole
 objects, ``info`` for sizes, ``cat_ranges`` for the inner-chunk runs a box
 needs, all of one object's runs in one call): the bytes are the same as
 TensorStore writes, so a checkpoint written here reads through the S3 or
-file backend and back. What the codec does not take (a tensor whose shard
-index or inner chunk exceeds its buffers, a partial write of a stored chunk)
-is refused with a clear error (``Location.kvstore``), never sent to a
+file backend and back. What the codec does not take (a partial write of a
+stored chunk; entries past its buffers are past spec 12's caps and refused
+at the root anyway) is refused with a clear error (``Location.kvstore``), never sent to a
 TensorStore kvstore that does not exist.
 
 Commit: root last (spec 10.3, :class:`.commit_kv.RootLastCommit`) with a

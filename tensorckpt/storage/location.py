@@ -126,8 +126,8 @@ class Location:
         if self.scheme == "fsspec":  # nothing may fall back to TensorStore here: say what is not possible
             raise TensorckptError(
                 f"{self.url}: this needs TensorStore, which has no driver for this fsspec location (a tensor "
-                "whose shard index or inner chunk exceeds tensorckpt's own codec's buffers, or a partial write "
-                "of a stored chunk); use a local path or s3:// for this checkpoint")
+                "read on a host without the native CRC-32C, or a partial write of a stored chunk); use a local "
+                "path or s3:// for this checkpoint")
         if self.scheme == "s3":
             return s3_kvstore(p, self.storage_options)
         if self.scheme == "file":

@@ -10,11 +10,11 @@ through tensorckpt's own codec (:mod:`.direct` over the kvstore's byte
 ranges, :mod:`.kvobjects`: ``chunk_reader``), so the checks of local reads
 apply here too (the chunk digests of format 1.3, overlapping index entries,
 bounds from the checked metadata, without asking any object's size).
-TensorStore's arrays still read what that codec does not take: a tensor
-whose shard index or inner chunk exceeds its buffers (``direct.usable``;
-those reads are bounded first by the sizes S3 gives,
-``StoredArrays.check_objects``), everything ``verify`` reads, and every
-read on a host without the native CRC-32C (``fast_reads`` False).
+TensorStore's arrays still read everything ``verify`` reads and every
+read on a host without the native CRC-32C (``fast_reads`` False), bounded
+first by the sizes S3 gives (``StoredArrays.check_objects``). No valid
+entry is past the codec's buffers any more: they are spec 12's caps, which
+every reader refuses at the root (``direct.usable``).
 
 On S3 every operation is bounded: TensorStore's S3 client has no timeout of
 its own (an endpoint that accepts connections and never answers hangs it),
