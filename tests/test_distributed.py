@@ -807,7 +807,10 @@ def test_overwrite(overwrite, S):
     assert torch.equal(ck.read("x"), original("ow/x", (10, 3), torch.float32) + 3)
     assert ck.read("gen") == 3
     leftovers = [n for n in os.listdir(f"{base}/s{S}") if n.startswith(".")]
-    assert not leftovers, leftovers
+    # no staging left; the replaced version kept for its readers (spec 10.2 step 4), whole: generation 1
+    assert len(leftovers) == 1 and leftovers[0].startswith(".ow.tensorckpt-replaced-"), leftovers
+    kept = tensorckpt.open(f"{base}/s{S}/{leftovers[0]}")
+    assert torch.equal(kept.read("x"), original("ow/x", (10, 3), torch.float32) + 1) and kept.read("gen") == 1
 
 
 @pytest.mark.parametrize("S", [2, 3, 4], ids=lambda s: f"save{s}")
