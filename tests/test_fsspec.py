@@ -232,25 +232,4 @@ def test_what_the_codec_cannot_take_is_refused(tmp_path):
         location.parse(f"fsspec+file://{tmp_path}/x").kvstore()
 
 
-def _dist_save(rank: int, world: int, url: str) -> bool:
-    from test_s3 import _dist_state
-
-    tensorckpt.save(_dist_state(rank, world, True), url)
-    return True
-
-
-def _dist_load(rank: int, world: int, url: str) -> bool:
-    from test_s3 import _dist_load as load
-
-    return load(rank, world, url)
-
-
-def test_distributed_save_2_load_3(tmp_path):
-    import dist
-    from test_s3 import _full
-
-    url = f"fsspec+file://{tmp_path}/ckpt"
-    assert dist.run(2, _dist_save, url, timeout=120) == [True, True]
-    assert dist.run(3, _dist_load, url, timeout=120) == [True, True, True]
-    out = tensorckpt.open(url)
-    assert torch.equal(out.read("w"), _full()["w"]) and torch.equal(out.read("h"), _full()["h"])
+# distributed save at world 2, resharded load at world 3 over fsspec+file://: test_s3.test_distributed_save_2_load_3
