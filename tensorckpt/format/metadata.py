@@ -438,11 +438,16 @@ def parse_tensor_entry(entry: object, where: str) -> TensorEntry:
     return e
 
 
+def encoded_inner_bytes(e: TensorEntry) -> int:
+    """One stored inner chunk of ``e``: its elements and their CRC-32C."""
+    return math.prod(e.inner_chunk_shape) * e.itemsize + 4
+
+
 def past_caps(e: TensorEntry) -> str:
     """What of ``e``'s stored objects is larger than spec 12 allows (its
     encoded inner chunk, its shard index), or "" if nothing: readers refuse
     such an entry when they validate the root, writers never plan one."""
-    inner = math.prod(e.inner_chunk_shape) * e.itemsize + 4
+    inner = encoded_inner_bytes(e)
     if inner > MAX_INNER_CHUNK_BYTES:
         return (f"its inner chunk {list(e.inner_chunk_shape)} of {e.dtype} is {inner} bytes encoded, more than the "
                 f"{MAX_INNER_CHUNK_BYTES} ({MAX_INNER_CHUNK_BYTES >> 20} MiB) a reader accepts (spec 12)")

@@ -24,7 +24,6 @@ independent of each other: they are made together.
 from __future__ import annotations
 
 import bisect
-import math
 import zlib
 from collections import Counter
 from dataclasses import dataclass, field
@@ -261,7 +260,7 @@ def _check_caps(key: str, entry: TensorEntry, shard_bytes: int, inner_bytes: int
     over = past_caps(entry)
     if not over:
         return
-    if math.prod(entry.inner_chunk_shape) * entry.itemsize + 4 > metadata.MAX_INNER_CHUNK_BYTES:  # no divisor left to cut
+    if metadata.encoded_inner_bytes(entry) > metadata.MAX_INNER_CHUNK_BYTES:  # no divisor left to cut
         fix = ("no dimension of it can be divided further (inner chunks divide the stored chunk); reshape the "
                "tensor so that its dimensions have small factors, e.g. save it flattened")
     else:

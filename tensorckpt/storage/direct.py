@@ -25,7 +25,7 @@ directories left. The bytes are TensorStore's (tests/test_direct.py
 compares them).
 
 The I/O is one small interface, :class:`Objects` (whole-object writes,
-a stored object's size, ranged reads), so the same Writer / Pool / Reader
+a stored object's size, ranged reads; :class:`Sources` its reading half), so the same Writer / Pool / Reader
 logic runs over any storage: :class:`LocalObjects` (the default for a
 path: the fd / ``pread`` / ``preadv`` / ``os.write`` code described above),
 :class:`tensorckpt.storage.fsspec.FsspecObjects` (``pipe_file``,
@@ -130,16 +130,21 @@ class KnownSize:
         return self.size
 
 
-class Objects(Protocol):
-    """The stored objects under one checkpoint's root, by key relative to it."""
+class Sources(Protocol):
+    """The stored objects under one checkpoint's root, by key relative to it, for reading."""
 
-    def put(self, rel: str, pieces: Iterator[memoryview]) -> None:
-        """Store the object ``rel`` made of ``pieces`` (each valid until the
-        next is asked for), durable on return."""
     def open(self, rel: str, where: str) -> Stored:
         """Open ``rel`` for reading; a missing, unreadable or not plain
         object raises the :class:`CorruptCheckpointError` (or
         :class:`CheckpointPermissionError`) naming ``where``."""
+
+
+class Objects(Sources, Protocol):
+    """:class:`Sources` that can also be written."""
+
+    def put(self, rel: str, pieces: Iterator[memoryview]) -> None:
+        """Store the object ``rel`` made of ``pieces`` (each valid until the
+        next is asked for), durable on return."""
 
 
 class LocalObjects:
@@ -208,6 +213,10 @@ def objects_of(root: str | Objects) -> Objects:
     return LocalObjects(root) if isinstance(root, str) else root
 
 
+def sources_of(root: str | Sources) -> Sources:
+    return LocalObjects(root) if isinstance(root, str) else root
+
+
 class Writer:
     """Writes whole stored objects of a checkpoint (``root``: a local
     directory, or any :class:`Objects`) on ``threads`` threads, each with
@@ -262,12 +271,12 @@ def _write_all(fd: int, view: memoryview) -> None:
 
 class Pool:
     """Reads boxes of a checkpoint's tensors (``root``: a local directory,
-    or any :class:`Objects`) on ``threads`` threads, each with its own
+    or any :class:`Sources`) on ``threads`` threads, each with its own
     reused buffer. Use as a context manager; on leaving, reads not started
     are cancelled and running ones finish."""
 
-    def __init__(self, root: str | Objects, url: str, threads: int | None = None):
-        self.objects, self.url = objects_of(root), url
+    def __init__(self, root: str | Sources, url: str, threads: int | None = None):
+        self.objects, self.url = sources_of(root), url
         self._local = threading.local()
         self._pool = ThreadPoolExecutor(max(1, threads or THREADS), thread_name_prefix="tensorckpt-read")
 
@@ -298,10 +307,10 @@ class Pool:
 
 class Reader:
     """Reads stored objects of a checkpoint (``root``: a local directory, or
-    any :class:`Objects`); holds one reused buffer (one Reader per thread)."""
+    any :class:`Sources`); holds one reused buffer (one Reader per thread)."""
 
-    def __init__(self, root: str | Objects, url: str):
-        self.objects, self.url = objects_of(root), url
+    def __init__(self, root: str | Sources, url: str):
+        self.objects, self.url = sources_of(root), url
         self._buf = np.empty(0, np.uint8)
 
     def read(self, key: str, entry: TensorEntry, want: Box, dst: np.ndarray, digests: list[str] | None = None) -> None:

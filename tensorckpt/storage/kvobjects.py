@@ -85,7 +85,8 @@ class Budget:
 
 
 class KvObjects:
-    """The stored objects under ``loc`` (see :class:`.direct.Objects`);
+    """The stored objects under ``loc``, for reading (see :class:`.direct.Sources`:
+    TensorStore's arrays write them);
     ``error`` turns a failure of the store into the error to raise."""
 
     def __init__(self, loc: Location, error: ErrorFn) -> None:
@@ -95,13 +96,6 @@ class KvObjects:
             self.store = kv.open_store(loc)
         except ValueError as e:
             raise error(loc, e, "opening the store") from e
-
-    def put(self, rel: str, pieces: Iterator[memoryview]) -> None:
-        data = b"".join(bytes(p) for p in pieces)  # each view is valid only until the next: copied
-        try:
-            kv.result(self.loc, self.store.write(rel, data), f"writing {rel}")
-        except ValueError as e:
-            raise self.error(self.loc, e, f"writing {rel}") from e
 
     def open(self, rel: str, where: str) -> KvObject:
         return KvObject(self, rel, where)

@@ -167,7 +167,7 @@ class StoredArrays:
     def _chunk_reader(self) -> direct.Pool:
         pool = self._backend.chunk_reader(self._read, self.path)
         if pool is None:
-            raise TensorckptError(f"{self.path}: no chunk reader for this storage")  # callers check fast_chunks
+            raise TensorckptError(f"{self.path}: no chunk reader for this storage")  # callers check fast_reads
         return pool
 
     def read_into(self, key: str, src: ts.TensorStore, out: np.ndarray) -> None:
