@@ -12,12 +12,13 @@ import ctypes
 import errno
 import os
 from collections.abc import Callable, Collection
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import wait
 from typing import Any
 
 import tensorstore as ts
 
 from ..errors import TensorckptError
+from . import threads
 from .backend import backend_for
 from .location import CONTEXT, Location
 
@@ -172,11 +173,12 @@ def sync_files(root: str, keys: Collection[str], fsynced: Collection[str] = ()) 
         sync_tree(root)
         return
     if len(paths) > 2:
-        with ThreadPoolExecutor(min(SYNC_THREADS, len(paths)), thread_name_prefix="tensorckpt-sync") as pool:
+        with threads.borrowed("sync", SYNC_THREADS) as pool:
             try:
                 futures = [pool.submit(_fsync, p) for p in paths]
             except RuntimeError:  # the interpreter is exiting (an async save finishing at exit): no new threads
                 futures = []
+            wait(futures)  # all done before the pool is given back
         if futures:
             for f in futures:
                 f.result()  # raises the first failure
