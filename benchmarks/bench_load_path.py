@@ -6,13 +6,17 @@ a raw read of the same bytes from one file, the variants alternated in every
 repetition; medians are compared, never times across runs.
 
     .venv/bin/python benchmarks/bench_load_path.py [--size-gib 1.0] [--reps 5] [--procs 1] [--dir DIR]
-        [--threads 1,2,4] [--buffers 1,4] [--rows]
+        [--threads 1,2,4] [--buffers 1,4] [--rows] [--index-first]
 
 ``--threads`` / ``--buffers`` compare the direct reader's thread count and
 buffer size (``direct.THREADS`` / ``direct.BUFFER_BYTES``); ``--rows`` adds a
 checkpoint of the same state whose inner chunks are row slabs (whole trailing
 dimensions, ~256 KiB: contiguous in a same-layout target) instead of the
-writer's near-square ones, to weigh that writer choice.
+writer's near-square ones, to weigh that writer choice; ``--index-first``
+adds the same checkpoint read index first (each object's shard index, at its
+end, read before its data: ``direct.Reader.file_order = False``) against the
+default file order (a whole object of the reference writer's size read data
+first, index last, in one sequential pass).
 
 ``--procs 2`` runs two such processes at once (each its own copy of the
 files, started together, the slowest one's time counts): world 2's
@@ -190,7 +194,8 @@ def worker(rank: int, args: argparse.Namespace, scratch: str, barrier: Any, out:
             dcp.load(target, checkpoint_id=f"{base}/dcp", no_dist=True)
 
     def tc_load(kind: str) -> None:
-        tensorckpt.load(target, f"{base}/{kind}")
+        direct.Reader.file_order = kind != "index-first"
+        tensorckpt.load(target, f"{base}/{'tc' if kind == 'index-first' else kind}")
 
     for name in iter(lambda: barrier_and_get(barrier, args.order), None):
         kind, threads, mib, timed = name
@@ -226,6 +231,8 @@ def main() -> None:
     ap.add_argument("--threads", default="4")
     ap.add_argument("--buffers", default="1", help="direct reader buffer sizes to compare, MiB")
     ap.add_argument("--rows", action="store_true", help="also a checkpoint with row-slab inner chunks")
+    ap.add_argument("--index-first", action="store_true",
+                    help="also tensorckpt reading every object's index before its data (the reader before file order)")
     args = ap.parse_args()
     ctx = mp.get_context("fork")
     scratch = tempfile.mkdtemp(prefix="bench-load-path-", dir=args.dir)
@@ -244,7 +251,7 @@ def main() -> None:
             flush=True,
         )
         variants = [("raw", 1, 1, False), ("dcp", 1, 1, False)]
-        kinds = ["tc"] + (["rows"] if args.rows else [])
+        kinds = ["tc"] + (["rows"] if args.rows else []) + (["index-first"] if args.index_first else [])
         variants += [
             (k, int(n), int(m), False) for k in kinds for n in args.threads.split(",") for m in args.buffers.split(",")
         ]

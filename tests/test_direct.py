@@ -241,6 +241,59 @@ def test_damage_names_the_inner_chunk(ckpt):
         direct.Reader(str(ckpt), str(ckpt)).read("w", e, Box((32, 0), (32, 48)), np.zeros((32, 48), np.float32))
 
 
+def test_a_whole_object_is_read_in_one_pass_data_first(ckpt, monkeypatch):
+    """A same-layout load reads each object front to back, its index (at its
+    end) last: no seek back to the index before the data."""
+    obj = _object(ckpt)
+    size = obj.stat().st_size
+    offsets: list[tuple[int, int]] = []  # (offset, bytes) of every read of the object's file
+    real_pread, real_preadv = os.pread, os.preadv
+
+    def pread(fd, n, offset):
+        if os.fstat(fd).st_size == size:
+            offsets.append((offset, n))
+        return real_pread(fd, n, offset)
+
+    def preadv(fd, views, offset):
+        if os.fstat(fd).st_size == size:
+            offsets.append((offset, sum(len(v) for v in views)))
+        return real_preadv(fd, views, offset)
+
+    monkeypatch.setattr(os, "pread", pread)
+    monkeypatch.setattr(os, "preadv", preadv)
+    target = {"w": torch.zeros_like(W)}
+    tensorckpt.load(target, ckpt)
+    assert torch.equal(target["w"], W)
+    per_object = offsets[: len(offsets) // 2]  # both objects are of one size; reads of one are in order either way
+    starts = [o for o, _ in offsets]
+    assert offsets and all(o >= 0 for o in starts)
+    assert sorted(per_object) == per_object and per_object[0][0] == 0 and per_object[-1] == (size - 16 * N - 4, 16 * N + 4)
+    assert sum(n for _, n in offsets) == 2 * size  # every byte of both objects once
+
+
+@pytest.mark.parametrize("order", ["reversed", "columns first"])
+def test_inner_chunks_stored_in_another_order_load_and_verify(ckpt, order):
+    """Another writer may store an object's inner chunks in any order (its
+    index says where): loads read them right, and verify passes."""
+    for obj in (ckpt / "w" / "c" / "0" / "0", _object(ckpt)):
+        data = obj.read_bytes()
+        _, entries = _index(data)
+        perm = list(range(N))[::-1] if order == "reversed" else [r * COLS + c for c in range(COLS) for r in range(N // COLS)]
+        body = b"".join(data[int(entries[k, 0]):int(entries[k, 0]) + ENCODED] for k in perm)
+        for place, k in enumerate(perm):
+            entries[k, 0] = place * ENCODED
+        obj.write_bytes(_with_index(body + data[-(16 * N + 4):], entries))
+    target = {"w": torch.zeros_like(W)}
+    tensorckpt.load(target, ckpt)
+    assert torch.equal(target["w"], W)
+    assert tensorckpt.verify(ckpt).status == "ok"
+    # without the chunk digests of format 1.3 (older checkpoints): the index alone says where each inner chunk is
+    e = Checkpoint(ckpt).index.tensors["w"]
+    got = np.zeros((64, 48), np.float32)
+    direct.Reader(str(ckpt), str(ckpt)).read("w", e, Box((0, 0), (64, 48)), got, digests=None)
+    np.testing.assert_array_equal(got, W.numpy())
+
+
 @pytest.mark.parametrize("kind", ["fifo", "symlink", "directory"])
 def test_not_a_regular_file_neither_blocks_nor_escapes(ckpt, tmp_path, kind):
     obj = _object(ckpt)

@@ -242,6 +242,23 @@ def stored_crcs(g: Geometry, index: np.ndarray, pos: tuple[int, ...]) -> list[tu
     return [(j, int(index[j, 0]) + g.encoded - 4) for j in present]
 
 
+def reference_index(g: Geometry, pos: tuple[int, ...]) -> np.ndarray:
+    """The index :func:`encode` writes for the object at grid position
+    ``pos``: the inner chunks that intersect the array back to back in C
+    order of the inner grid, the rest empty (the layout a reader may read
+    in file order before its index: :meth:`.direct.Reader.read_object`)."""
+    shard = chunk_box(pos, g.chunk, g.shape)
+    index = np.full((g.count, 2), EMPTY, "<u8")
+    if not g.grid:
+        index[0] = (0, g.encoded)
+        return index
+    lo = np.stack(np.meshgrid(*[np.arange(n) for n in g.grid], indexing="ij"), -1).reshape(-1, len(g.grid))
+    present = (lo * np.asarray(g.inner) < np.asarray(shard.shape)).all(axis=1)
+    index[present, 0] = np.arange(int(present.sum()), dtype="<u8") * g.encoded
+    index[present, 1] = g.encoded
+    return index
+
+
 # ------------------------------------------------------------------ decoding
 
 
