@@ -6,7 +6,7 @@ a raw read of the same bytes from one file, the variants alternated in every
 repetition; medians are compared, never times across runs.
 
     .venv/bin/python benchmarks/bench_load_path.py [--size-gib 1.0] [--reps 5] [--procs 1] [--dir DIR]
-        [--threads 1,2,4] [--buffers 1,4] [--rows] [--index-first]
+        [--threads 1,2,4] [--buffers 1,4] [--rows] [--index-first] [--raw-objects]
 
 ``--threads`` / ``--buffers`` compare the direct reader's thread count and
 buffer size (``direct.THREADS`` / ``direct.BUFFER_BYTES``); ``--rows`` adds a
@@ -16,7 +16,10 @@ writer's near-square ones, to weigh that writer choice; ``--index-first``
 adds the same checkpoint read index first (each object's shard index, at its
 end, read before its data: ``direct.Reader.file_order = False``) against the
 default file order (a whole object of the reference writer's size read data
-first, index last, in one sequential pass).
+first, index last, in one sequential pass); ``--raw-objects`` adds a raw read
+of tensorckpt's own stored objects, whole, with no check or copy, on each of
+``--threads`` threads (what reading that many files costs on this disk, the
+floor of a reader of this layout).
 
 ``--procs 2`` runs two such processes at once (each its own copy of the
 files, started together, the slowest one's time counts): world 2's
@@ -41,6 +44,7 @@ import threading
 import time
 import warnings
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -188,6 +192,27 @@ def worker(rank: int, args: argparse.Namespace, scratch: str, barrier: Any, out:
         with open(f"{base}/raw", "rb", buffering=0) as f:
             f.readinto(memoryview(raw_buf))
 
+    objects = sorted(os.path.join(d, f) for d, _, fs in os.walk(f"{base}/tc") for f in fs if "zarr.json" not in f)
+
+    def raw_objects(threads: int) -> None:
+        """Read every stored object of the tensorckpt checkpoint whole into one buffer (no checks, no copy)."""
+        view = memoryview(raw_buf)
+
+        def one(job: tuple[int, str]) -> None:
+            at, path = job
+            with open(path, "rb", buffering=0) as f:
+                f.readinto(view[at:at + os.fstat(f.fileno()).st_size])
+
+        jobs, at = [], 0
+        for path in objects:
+            size = os.path.getsize(path)
+            if at + size > len(raw_buf):
+                break
+            jobs.append((at, path))
+            at += size
+        with ThreadPoolExecutor(threads) as pool:
+            list(pool.map(one, jobs))
+
     def dcp_load() -> None:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
@@ -204,11 +229,14 @@ def worker(rank: int, args: argparse.Namespace, scratch: str, barrier: Any, out:
         undo = instrument(split) if timed else (lambda: None)
         barrier.wait()
         t, c = time.perf_counter(), time.process_time()
-        {"raw": raw_read, "dcp": dcp_load}.get(kind, lambda k=kind: tc_load(k))()
+        if kind == "raw objects":
+            raw_objects(threads)
+        else:
+            {"raw": raw_read, "dcp": dcp_load}.get(kind, lambda k=kind: tc_load(k))()
         wall, cpu = time.perf_counter() - t, time.process_time() - c
         undo()
         out.put((name, wall, cpu, split.t if timed else None, split.chunks))
-        if kind not in ("raw", "dcp"):
+        if kind not in ("raw", "raw objects", "dcp"):
             for k, v in flat.items():
                 got = target
                 for part in k.split("/"):
@@ -231,6 +259,8 @@ def main() -> None:
     ap.add_argument("--threads", default="4")
     ap.add_argument("--buffers", default="1", help="direct reader buffer sizes to compare, MiB")
     ap.add_argument("--rows", action="store_true", help="also a checkpoint with row-slab inner chunks")
+    ap.add_argument("--raw-objects", action="store_true",
+                    help="also a raw read of tensorckpt's own object files, whole, on --threads threads (the cost of many files)")
     ap.add_argument("--index-first", action="store_true",
                     help="also tensorckpt reading every object's index before its data (the reader before file order)")
     args = ap.parse_args()
@@ -251,11 +281,14 @@ def main() -> None:
             flush=True,
         )
         variants = [("raw", 1, 1, False), ("dcp", 1, 1, False)]
+        if args.raw_objects:
+            variants += [("raw objects", int(n), 1, False) for n in args.threads.split(",")]
         kinds = ["tc"] + (["rows"] if args.rows else []) + (["index-first"] if args.index_first else [])
         variants += [
             (k, int(n), int(m), False) for k in kinds for n in args.threads.split(",") for m in args.buffers.split(",")
         ]
-        label = {v: (v[0] if v[0] in ("raw", "dcp") else f"{v[0]} threads={v[1]} buffer={v[2]}MiB") for v in variants}
+        label = {v: (v[0] if v[0] in ("raw", "dcp") else f"raw objects threads={v[1]}" if v[0] == "raw objects"
+                     else f"{v[0]} threads={v[1]} buffer={v[2]}MiB") for v in variants}
         times: dict = {v: [] for v in variants}
         cpu: dict = {v: [] for v in variants}
         splits = []

@@ -1,11 +1,11 @@
 """Thread pools lent for one save's or one load's work and kept afterwards,
 so that a save does not start and join its threads every time (a small save
-started about nine threads, most of its CPU time: benchmarks/README.md,
-"Small saves"). A borrowed pool is the borrower's alone until it is given
+started and joined about sixteen, most of its CPU time: benchmarks/README.md,
+``bench_durable.py``). A borrowed pool is the borrower's alone until it is given
 back (no save queues behind another's work); given back, its threads wait
 idle for the next borrower of the same kind. A forked child starts with no
 pools (its parent's threads do not exist there). Used by
-:func:`.kv.sync_files` and :class:`.direct.Writer`.
+:func:`.kv.sync_files` and :class:`.direct.Writer` / :class:`.direct.Pool`.
 """
 
 from __future__ import annotations
