@@ -123,7 +123,10 @@ class KnownSize:
     """:class:`Stored` methods of an object whose size is known when it is opened."""
 
     size: int
-    run_bytes = BUFFER_BYTES
+
+    @property
+    def run_bytes(self) -> int:
+        return BUFFER_BYTES  # read when used: a benchmark may change it
 
     def pread(self, n: int, offset: int) -> bytes:  # the subclass's
         raise NotImplementedError
