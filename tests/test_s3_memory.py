@@ -7,7 +7,7 @@ reset through /proc/self/clear_refs, with glibc's own malloc settings: its
 dynamic mmap threshold, which kept each of the eight reading threads' freed
 runs in that thread's arena, is what this checks (the first large load of a
 process: 129-134 MiB of growth on s3 and 102 on memory:// for this 66 MiB
-target before, 52-59 and 32-48 after). About 30 s."""
+target before, 52-81 and 28-50 after, on a busy 2-core machine). About 30 s."""
 
 from __future__ import annotations
 
@@ -72,6 +72,8 @@ def test_a_load_holds_its_read_budget_and_one_arena_beyond_its_target(url):
     size, growth = got["size"], max(got["growth"])
     print(f"load of {size / MiB:.0f} MiB from {url.split(':')[0]}: peak RSS growth "
           + ", ".join(f"{g / MiB:.1f}" for g in got["growth"]) + " MiB")
-    # the budget of reads in flight, TensorStore's and the HTTP client's buffers and the maker thread's
-    # arena (glibc keeps a run or two of freed blocks there); an arena per reading thread was past 100 MiB
-    assert growth < kvobjects.IN_FLIGHT_BYTES + 48 * MiB, (growth / MiB, size / MiB)
+    # the budget of reads in flight, the maker thread's arena (glibc keeps a run or two of freed blocks
+    # there) and, on s3, TensorStore's HTTP buffers and its threads' arenas (measured: 52-81 MiB on s3,
+    # 28-50 on memory://); an arena per reading thread was 129-134 and 102
+    slack = (72 if url.startswith("s3://") else 40) * MiB
+    assert growth < kvobjects.IN_FLIGHT_BYTES + slack, (growth / MiB, size / MiB)
