@@ -4,6 +4,7 @@ reader over s3fs, on the same S3-compatible server, side by side in one run.
 
     .venv/bin/python benchmarks/bench_s3.py [--size-mb 512] [--reps 3] [--latency-ms 0,20] [--json PATH]
         [--dcp-threads 1,4,8] [--no-dcp-best] [--no-reshard] [--d-model 1024] [--moto-buffer-mb 1024]
+        [--server moto|range]
 
 The server is moto in server mode on 127.0.0.1 (tests/s3server.py's
 MotoServer), reached through tests/s3proxy.py's S3Proxy, which adds
@@ -13,7 +14,10 @@ copied. Each latency in --latency-ms is one run with a fresh proxy. moto
 answers a ranged GET by copying the whole object (S3 itself reads only the
 range), so a reader of many small ranges pays per object size here; the
 server keeps objects in memory (--moto-buffer-mb) so that cost is a copy,
-not a file read.
+not a file read. --server range runs benchmarks/moto_ranged.py instead:
+moto patched so that a ranged GET reads only its range, as S3 does
+(everything else moto's; still not S3); the default, moto, is moto as
+released.
 
 The state: a transformer-like model in bfloat16 plus its Adam moments in
 float32 (exp_avg, exp_avg_sq), ~--size-mb MiB in all, as DTensors Shard(0)
@@ -70,6 +74,10 @@ from s3proxy import S3Proxy
 from s3server import ACCESS_KEY, REGION, SECRET_KEY, MotoServer
 
 BUCKET = "tensorckpt-bench"
+SERVERS = {  # --server: what answers the requests, as printed
+    "moto": "moto (as released: a ranged GET copies the whole object)",
+    "range": "moto patched by benchmarks/moto_ranged.py (a ranged GET reads only its range; not S3)",
+}
 TARGETS = {  # the issue's targets (issue 14, "Performance on object storage")
     "time": "tensorckpt >= DCP on every row",
     "reshard_20ms": "load with resharding >= 2x DCP at 20 ms",
@@ -481,7 +489,8 @@ def summarize(latency_ms: float, saved: dict, loaded: dict | None, args: argpars
 def report(run: dict, args: argparse.Namespace) -> dict:
     """Print one run's table and ratios; the targets met or missed."""
     rows, libs = run["rows"], list(next(iter(run["rows"].values())))
-    print(f"\n=== latency {run['latency_ms']:g} ms per request; slowest rank, median [min-max] of {args.reps} ===")
+    print(f"\n=== latency {run['latency_ms']:g} ms per request, server {args.server_kind}; slowest rank, "
+          f"median [min-max] of {args.reps} ===")
     if run["dcp_best"]:
         print(f"dcp best: FsspecWriter(thread_count={run['dcp_best']['thread_count']}, single_file_per_rank="
               f"{run['dcp_best']['single_file_per_rank']}, sync_files=False), cached plans; async: process executor")
@@ -538,6 +547,9 @@ def main() -> None:
                     help="objects moto keeps in memory up to this size (MOTO_S3_DEFAULT_KEY_BUFFER_SIZE; moto's own "
                          "default, ~5 MiB, spools larger objects to temporary files and reads the whole file for every "
                          "ranged GET); 0: moto's default")
+    ap.add_argument("--server", dest="server_kind", choices=SERVERS, default="moto",
+                    help="moto: moto's server as released (a ranged GET copies the whole object); range: "
+                         "benchmarks/moto_ranged.py, moto patched so a ranged GET reads only its range (not S3)")
     args = ap.parse_args()
     if args.moto_buffer_mb:
         os.environ["MOTO_S3_DEFAULT_KEY_BUFFER_SIZE"] = str(args.moto_buffer_mb << 20)  # the server inherits it
@@ -545,14 +557,18 @@ def main() -> None:
     keys = logical_keys(args.size_mb << 20, args.d_model)
     nbytes = sum(math.prod(s) * torch.tensor([], dtype=dt).element_size() for s, dt in keys.values())
     print(f"state: {len(keys)} tensors (bf16 model + fp32 Adam moments), {nbytes / 2**20:.1f} MiB; save world 2 "
-          f"Shard(0){', reshard load world 3 Shard(1)' if args.reshard else ''}; {args.reps} reps; moto server",
-          flush=True)
+          f"Shard(0){', reshard load world 3 Shard(1)' if args.reshard else ''}; {args.reps} reps; "
+          f"server: {SERVERS[args.server_kind]}", flush=True)
     runs = []
-    with MotoServer() as server:
+    server = MotoServer()
+    if args.server_kind == "range":
+        server.command = [sys.executable, os.path.join(os.path.dirname(os.path.abspath(__file__)), "moto_ranged.py")]
+    with server:
         server.make_bucket(BUCKET)
         for latency in args.latency_ms:
             runs.append(report(one_run(server, latency, args), args))
-    out = {"benchmark": "bench_s3", "size_bytes": nbytes, "tensors": len(keys), "reps": args.reps, "runs": runs,
+    out = {"benchmark": "bench_s3", "server": SERVERS[args.server_kind], "size_bytes": nbytes, "tensors": len(keys),
+           "reps": args.reps, "runs": runs,
            "versions": {"python": platform.python_version(), "torch": torch.__version__,
                         "tensorstore": importlib.metadata.version("tensorstore"),
                         "s3fs": importlib.metadata.version("s3fs"), "moto": importlib.metadata.version("moto"),

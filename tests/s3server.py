@@ -32,11 +32,12 @@ class MotoServer:
         self.endpoint = f"http://127.0.0.1:{self.port}"
         self._startup_s = startup_s
         self._proc: subprocess.Popen | None = None
+        self.command = [sys.executable, "-m", "moto.server"]  # the server's command line, less host and port
 
     def start(self) -> MotoServer:
         env = {**os.environ, "AWS_ACCESS_KEY_ID": ACCESS_KEY, "AWS_SECRET_ACCESS_KEY": SECRET_KEY}
         self._proc = subprocess.Popen(
-            [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(self.port)],
+            [*self.command, "-H", "127.0.0.1", "-p", str(self.port)],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
         deadline = time.monotonic() + self._startup_s
         while True:

@@ -433,6 +433,7 @@ class Reader:
                     j = 4 * int(reads.corder[k])
                     crcs[j:j + 4] = view[at + body:at + body + 4]
                 dst[to[k]] = np.frombuffer(buf, g.dtype, count=g.numel, offset=at).reshape(g.inner)[src[k]]
+            del buf, view  # a store's own read buffer (kvobjects) goes before the next is made
         if crcs is not None and reads.digest(crcs) != digest:
             raise CorruptCheckpointError(
                 f"{reads.where}, does not have the digest its array records for this place: its inner chunks "
