@@ -7,7 +7,10 @@ of format 1.3). :class:`tensorckpt.storage.tskv.KvStore` gives them
 (``chunk_reader``).
 
 Each object is read by byte ranges of its kvstore (``KvStore.read(key,
-byte_range=...)``): the shard index by a suffix range (``slice(-n, None)``:
+byte_range=...)``): one the read needs whole of at most 1 MiB by one range of
+the size this library's writer gives it, data and index together (direct.py
+``WHOLE_READ_BYTES``; checked against the index that writer writes, else read
+as follows); otherwise the shard index by a suffix range (``slice(-n, None)``:
 S3's ``Range: bytes=-n``), so its size is never asked, then the inner chunks
 it needs, stored back to back, in runs of at most ``RUN_BYTES``, all issued at
 once and checked in order as they arrive; the reads in flight of all the
