@@ -677,6 +677,7 @@ def run_world(rank: int, world: int, base: str, names: list[str], phases: tuple[
                     out[name]["load"] = {"checks": c.rows, "extra": extra}
             except Exception:  # noqa: BLE001 - reported as this scenario's failure
                 out[name][phase] = {"crashed": traceback.format_exc()}
+    tdist.barrier()  # no rank exits (taking rank 0's store with it) while another still sets up a subgroup
     return out
 
 

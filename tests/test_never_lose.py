@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import multiprocessing as mp
 import os
 import subprocess
 import sys
@@ -21,6 +20,7 @@ import pytest
 import torch
 
 import tensorckpt
+from tests import dist as launcher  # worker processes (a fork server with torch and tensorckpt imported)
 from tests.forge import reseal
 from tensorckpt import cli
 from tensorckpt.errors import CheckpointExistsError, TensorckptError
@@ -193,10 +193,10 @@ ROUNDS = int(os.environ.get("TENSORCKPT_RACE_ROUNDS", "4"))  # more: TENSORCKPT_
 
 
 def test_two_new_saves_cannot_both_win(tmp_path):
-    ctx = mp.get_context("spawn")
+    ctx = launcher.context()
     paths = [str(tmp_path / f"c{r}") for r in range(ROUNDS)]
     barrier, out = ctx.Barrier(2), ctx.Queue()
-    procs = [ctx.Process(target=_racer, args=(paths, k, barrier, out)) for k in (1, 2)]
+    procs = [launcher.process(ctx, _racer, (paths, k, barrier, out)) for k in (1, 2)]
     for p in procs:
         p.start()
     deadline = time.monotonic() + 240
@@ -264,9 +264,9 @@ def test_clean_racing_replaces_never_publishes_a_partial_checkpoint(tmp_path):
     n = 1 << 18
     base = torch.arange(n, dtype=torch.float32)
     tensorckpt.save({"w": base, "step": 0}, p)
-    ctx = mp.get_context("spawn")
+    ctx = launcher.context()
     ready = ctx.Event()
-    cleaner = ctx.Process(target=_cleaner, args=(str(p), time.time() + 120, ready))
+    cleaner = launcher.process(ctx, _cleaner, (str(p), time.time() + 120, ready))
     cleaner.start()
     current, outcomes = 0, {"ok": 0, "failed": 0}
     try:
@@ -467,12 +467,10 @@ def _dies_mid_save(rank: int, world: int, path: str) -> str:
 
 
 def test_a_peer_dying_mid_save(tmp_path):
-    from tests import dist as launcher
-
-    ctx = launcher.mp.get_context("spawn")
+    ctx = launcher.context()
     queue, port = ctx.Queue(), launcher._free_port()
     path = str(tmp_path / "c")
-    procs = [ctx.Process(target=launcher._worker, args=(r, 2, port, _dies_mid_save, (path,), queue), daemon=True)
+    procs = [launcher.process(ctx, launcher._worker, (r, 2, port, _dies_mid_save, (path,), queue), daemon=True)
              for r in range(2)]
     for p in procs:
         p.start()

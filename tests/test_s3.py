@@ -211,12 +211,12 @@ def _racer(urls: list, k: int, barrier, out) -> None:
 def test_two_saves_to_one_new_location_one_wins(s3):
     """Two processes (two committers) save to the same new locations at once:
     exactly one wins each, the loser wrote nothing, the winner is intact."""
-    import multiprocessing as mp
+    import dist
 
     urls = [s3(f"race{i}") for i in range(3)]
-    ctx = mp.get_context("spawn")
+    ctx = dist.context()
     barrier, out = ctx.Barrier(2), ctx.Queue()
-    procs = [ctx.Process(target=_racer, args=(urls, k, barrier, out)) for k in (1, 2)]
+    procs = [dist.process(ctx, _racer, (urls, k, barrier, out)) for k in (1, 2)]
     for p in procs:
         p.start()
     results: dict = {}

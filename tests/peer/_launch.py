@@ -1,5 +1,6 @@
-"""Run one *phase* of the peer suite on N gloo ranks (spawned processes on
-127.0.0.1), or in this process for world 1.
+"""Run one *phase* of the peer suite on N gloo ranks (worker processes on
+127.0.0.1, started from the fork server of tests/dist.py), or in this process
+for world 1.
 
 A phase runs every scenario registered for it (``_suite.scenario``) in
 registration order, each rank calling ``fn(rank, world, base)``; a scenario
@@ -16,8 +17,6 @@ import os
 import socket
 import sys
 import traceback
-
-import torch.multiprocessing as mp
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 PG_TIMEOUT = float(os.environ.get("TENSORCKPT_PEER_PG_TIMEOUT", "60"))
@@ -64,10 +63,12 @@ def run(world: int, phase: str, base: str, timeout: float = 300.0) -> list[dict]
         import _suite
 
         return [_suite.run_phase(phase, 0, 1, base)]
-    ctx = mp.get_context("spawn")
+    import dist  # tests/dist.py (tests/ is on sys.path: tests/conftest.py)
+
+    ctx = dist.context()
     queue = ctx.Queue()
     port = _free_port()
-    procs = [ctx.Process(target=_worker, args=(r, world, port, phase, base, queue), daemon=True) for r in range(world)]
+    procs = [dist.process(ctx, _worker, (r, world, port, phase, base, queue), daemon=True) for r in range(world)]
     for p in procs:
         p.start()
     results: dict[int, dict] = {}
