@@ -14,6 +14,7 @@ import subprocess
 import sys
 
 import pytest
+import rss
 import torch
 from torch import nn
 
@@ -212,17 +213,11 @@ def test_torch_save_with_pickled_objects_is_refused(tmp_path):
 
 # ------------------------------------------------------------- memory bound
 
-_MEASURE = r"""
+_MEASURE = rss.PEAK + r"""
 import gc, json, os, sys
 import torch, tensorckpt
 from safetensors.torch import load_file, save_file
 tmp = sys.argv[1]
-def status(field):  # VmRSS now, VmHWM: this process's peak (ru_maxrss would carry the parent's over exec)
-    with open("/proc/self/status") as f:
-        return next(int(l.split()[1]) * 1024 for l in f if l.startswith(field))
-def reset_peak():
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")  # resets VmHWM to the current RSS
 def state():
     g = torch.Generator().manual_seed(0)
     sd = {f"layer{i}": torch.randn(512, 4096, generator=g) for i in range(4)}  # 8 MiB each

@@ -24,6 +24,7 @@ if _TESTS not in sys.path:  # spawned workers import this module by name
     sys.path.insert(0, _TESTS)
 
 import dist
+import rss
 
 import tensorckpt
 
@@ -44,17 +45,11 @@ def _save(rank: int, world: int, path: str) -> None:
     tensorckpt.save(state, path, shard_bytes=4 * MiB)
 
 
-_MEASURE = r"""
+_MEASURE = rss.PEAK + r"""
 import json, sys, warnings
 import torch, tensorckpt
 from safetensors.torch import save_file
 tmp = sys.argv[1]
-def status(field):  # VmRSS now, VmHWM: this process's peak
-    with open("/proc/self/status") as f:
-        return next(int(l.split()[1]) * 1024 for l in f if l.startswith(field))
-def reset_peak():
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")  # resets VmHWM to the current RSS
 save_file({"w": torch.ones(64, 64)}, f"{tmp}/warm.safetensors")  # one-time costs first (threads, arenas, caches)
 tensorckpt.convert(f"{tmp}/warm.safetensors", f"{tmp}/warm-ck", progress=False)
 for fmt, dst in (("safetensors", "warm-st"), ("dcp", "warm-dcp")):

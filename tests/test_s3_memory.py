@@ -17,22 +17,17 @@ import subprocess
 import sys
 
 import pytest
+import rss
 
 from tensorckpt.storage import kvobjects
 
 _TESTS = os.path.dirname(os.path.abspath(__file__))
 MiB = 1 << 20
 
-_MEASURE = r"""
+_MEASURE = rss.PEAK + r"""
 import json, sys
 import torch, tensorckpt
 url = sys.argv[1]
-def status(field):  # VmRSS now, VmHWM: this process's peak
-    with open("/proc/self/status") as f:
-        return next(int(l.split()[1]) * 1024 for l in f if l.startswith(field))
-def reset_peak():
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")  # resets VmHWM to the current RSS
 g = torch.Generator().manual_seed(0)
 # 66 MiB: 12 tensors of 2-12 MiB, bf16 and fp32, one object each (whole runs and short last ones)
 state = {f"w{i}": torch.randn(6144 // (i % 3 + 1), 512, generator=g) for i in range(12)}
