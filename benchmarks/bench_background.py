@@ -71,11 +71,19 @@ def baseline(ops: int, seconds: float = 2.0) -> list[float]:
     return loop_until(lambda: time.perf_counter() >= end, ops)
 
 
-def tensorckpt_save(state, path):
-    t = time.perf_counter()
-    h = tensorckpt.async_save(state, path)
-    stall = time.perf_counter() - t
-    return stall, h.done, h.wait
+def tensorckpt_save(executor: str):
+    savers: list[tensorckpt.AsyncSaver] = []
+
+    def start(state, path):
+        if not savers:  # one saver for the run, as a training job keeps one (its helper process started once)
+            savers.append(tensorckpt.AsyncSaver(executor=executor))
+        t = time.perf_counter()
+        h = savers[0].save(state, path)
+        stall = time.perf_counter() - t
+        return stall, h.done, h.wait
+
+    start.savers = savers
+    return start
 
 
 def dcp_save(kind: str):
@@ -106,7 +114,8 @@ def dcp_save(kind: str):
     return start
 
 
-SAVERS = {"tensorckpt": tensorckpt_save, "dcp thread": dcp_save("thread"), "dcp process": dcp_save("process")}
+SAVERS = {"tensorckpt": tensorckpt_save("thread"), "tensorckpt process": tensorckpt_save("process"),
+          "dcp thread": dcp_save("thread"), "dcp process": dcp_save("process")}
 
 
 def main() -> int:
@@ -119,6 +128,9 @@ def main() -> int:
     ap.add_argument("--baseline-s", type=float, default=2.0, help="seconds of loop alone before each save")
     ap.add_argument("--dir", default=None, help="parent of the scratch directory (default: system temp dir)")
     ap.add_argument("--json", default=None, help="also write the results JSON here")
+    ap.add_argument("--no-warmup", action="store_true",
+                    help="time first saves too (default: each saver saves once, untimed, before the repetitions: "
+                         "helper processes started, buffers and plans made, as in a job's steady state)")
     args = ap.parse_args()
 
     torch.set_num_threads(1)
@@ -141,6 +153,10 @@ def main() -> int:
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
+            for name in [] if args.no_warmup else names:
+                path = os.path.join(scratch, f"{name.replace(' ', '_')}_warmup")
+                SAVERS[name](state, path)[2]()
+                shutil.rmtree(path, ignore_errors=True)
             for rep in range(args.reps):
                 order = names[rep % len(names):] + names[:rep % len(names)]
                 for name in order:
@@ -159,21 +175,26 @@ def main() -> int:
                     res[name]["durable"].append(durable)
                     shutil.rmtree(path, ignore_errors=True)
     finally:
+        for name in names:
+            for saver in getattr(SAVERS[name], "savers", []):
+                saver.close()
         shutil.rmtree(scratch, ignore_errors=True)
         dist.destroy_process_group()
 
     print(f"\nbaseline step: median {statistics.median(base_all) * 1e3:.2f} ms "
           f"(range {min(base_all) * 1e3:.2f}-{max(base_all) * 1e3:.2f})\n")
-    print(f"{'saver':<14}{'step x base (mean)':>19}{'p90 x base':>12}{'stall s':>9}{'durable s':>11}   ranges")
+    print(f"{'saver':<20}{'step x base (mean)':>19}{'p90 x base':>12}{'stall s':>9}{'durable s':>11}   ranges")
     med = {n: {k: statistics.median(v) for k, v in r.items()} for n, r in res.items()}
     for n in names:
         m, r = med[n], res[n]
-        print(f"{n:<14}{m['mean']:>19.2f}{m['p90']:>12.2f}{m['stall']:>9.3f}{m['durable']:>11.2f}   "
+        print(f"{n:<20}{m['mean']:>19.2f}{m['p90']:>12.2f}{m['stall']:>9.3f}{m['durable']:>11.2f}   "
               f"step {min(r['mean']):.2f}-{max(r['mean']):.2f}, durable {min(r['durable']):.2f}-"
               f"{max(r['durable']):.2f}")
     print()
-    for peer in [n for n in names if n != "tensorckpt"] if "tensorckpt" in names else []:
-        print(f"mean step during the save: tensorckpt / {peer:<12} x{med['tensorckpt']['mean'] / med[peer]['mean']:.2f}")
+    ours = [n for n in names if n.startswith("tensorckpt")]
+    for mine in ours:
+        for peer in [n for n in names if n not in ours]:
+            print(f"mean step during the save: {mine:<18} / {peer:<12} x{med[mine]['mean'] / med[peer]['mean']:.2f}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"benchmark": "bench_background", "size_bytes": nbytes, "ops": args.ops, "reps": args.reps,

@@ -1,7 +1,8 @@
 """async_save over real gloo process groups: the background collectives run
 on a group of their own while training keeps using the default one; a rank
 whose staging fails makes every rank's save fail; statistics of every rank
-are kept with the checkpoint. One spawn of 2 workers runs every case."""
+are kept with the checkpoint; the process executor's helpers write each
+rank's objects. One spawn of 2 workers runs every case."""
 
 from __future__ import annotations
 
@@ -107,6 +108,18 @@ def _worker(rank: int, world: int, base: str) -> dict:
     with tensorckpt.AsyncSaver() as saver:
         mine = [saver.save(state(step), f"{base}/own{step}") for step in (6, 7)]
     out["own"] = [(h.done(), h.stats.plan_cache_hit, h.stats.staging_bytes_allocated > 0) for h in mine]
+
+    # 7. the process executor: each rank's helper process writes its objects; loaded into another layout
+    big = torch.arange(1024 * 512, dtype=torch.float32).reshape(1024, 512)
+    with tensorckpt.AsyncSaver(executor="process") as saver:
+        s = {"w": distribute_tensor(big, mesh, [Shard(0)]), "step": 8}
+        h = saver.save(s, f"{base}/proc")
+        s["w"].to_local().fill_(-1)
+        h.wait()
+    out["offloaded"] = h.stats.bytes_offloaded
+    target = {"w": distribute_tensor(torch.zeros(1024, 512), mesh, [Shard(1)]), "step": 0}
+    tensorckpt.load(target, f"{base}/proc")
+    out["proc"] = torch.equal(target["w"].full_tensor(), big), target["step"]
     return out
 
 
@@ -178,3 +191,11 @@ def test_an_async_saver_of_its_own(results):
     for r in res:
         assert r["own"] == [(True, False, True), (True, True, False)]
     assert torch.equal(tensorckpt.open(base / "own7").read("w"), _full(7))
+
+
+def test_the_process_executor_over_a_group(results):
+    base, res = results
+    for r in res:
+        assert r["offloaded"] == 512 * 512 * 4  # each rank's half, written by its own helper
+        assert r["proc"] == (True, 8)
+    assert tensorckpt.verify(base / "proc").ok

@@ -9,6 +9,10 @@ a background thread.
     background        engine.save.run over a process group of its own (so its
                       collectives never interleave with training's), exactly
                       as a synchronous save of the staged copies
+    helper process    with ``executor="process"``: the encoding, checksums,
+                      writes and fsyncs of the stored objects
+                      (storage/offload.py: shared-memory staging, so a
+                      GIL-bound training loop is not slowed by them)
 
 An :class:`AsyncSaver` holds everything one process group's async saves
 share: the staging pool (buffers reused while a key's shape and dtype stay
@@ -50,12 +54,14 @@ from ..adapters.sharded import ShardedTensor, saved_part
 from ..adapters.state import flatten, unflatten
 from ..errors import TensorckptError
 from ..storage import location
+from ..storage.offload import Offload, Spec
 from .group import Group, group_key
 from .plan_cache import PlanCache
 from .replicas import is_plain
 from .save import SaveOptions, SaveStats, check_tensor, run
 
 ON_BUSY = ("wait", "raise")
+EXECUTORS = ("thread", "process")
 
 
 class SaveHandle:
@@ -144,20 +150,28 @@ class AsyncSaver:
         # leaving the block: the last save is finished, its buffers freed
 
     ``background_group``: as for :func:`async_save`, a gloo group over the
-    same ranks, needed over a subgroup. ``save`` takes the options of
+    same ranks, needed over a subgroup. ``executor``: where the stored
+    objects are encoded and written, ``"thread"`` (a background thread of
+    this process) or ``"process"`` (a helper process this saver starts now
+    and stops on ``close()``, reading staging buffers in shared memory:
+    pick it when the training loop is Python-bound; storage/offload.py). ``save`` takes the options of
     :func:`async_save` (``overwrite``, ``on_busy``, ``on_durable``, save
     options) and returns its :class:`SaveHandle`; ``wait(timeout=None)``
     waits for the save in flight and raises its error; ``close()`` finishes
     and releases (a closed saver refuses to save).
     """
 
-    def __init__(self, process_group: Any = None, background_group: Any = None) -> None:
+    def __init__(self, process_group: Any = None, background_group: Any = None, *, executor: str = "thread") -> None:
+        if executor not in EXECUTORS:
+            raise ValueError(f"AsyncSaver(executor=...) must be one of {EXECUTORS}, got {executor!r}")
         self.process_group = process_group
+        self.executor = executor
         self._g = Group(process_group)
         self._bg: Group | None = None  # created by the first save (a collective)
         if background_group is not None and self._g.distributed:  # checked now, not at the first save
             self._bg = _background_group(self._g, background_group)
-        self._pool: dict[str, torch.Tensor] = {}  # staging buffers by key
+        self._pool: dict[str, torch.Tensor] = {}  # staging buffers by key (the thread executor's)
+        self._offload = Offload() if executor == "process" else None  # the helper and its shared staging
         self._plans = PlanCache()  # the plan cache of saves over the background group
         self._handle: SaveHandle | None = None  # the last save
         self._closed = False
@@ -184,14 +198,16 @@ class AsyncSaver:
             return
         self._closed = True
         _OPEN.discard(self)
-        if _DEFAULT.get(group_key(self.process_group)) is self:
-            del _DEFAULT[group_key(self.process_group)]
+        if _DEFAULT.get((group_key(self.process_group), self.executor)) is self:
+            del _DEFAULT[group_key(self.process_group), self.executor]
         handle, self._handle = self._handle, None
         try:
             error = handle._unobserved_error() if handle is not None else None  # waits for it
         finally:
             self._pool.clear()
             self._plans.clear()
+            if self._offload is not None:
+                self._offload.close()
         if handle is not None and error is not None:
             raise TensorckptError(f"the async save to {handle.path} failed: {error}") from error
 
@@ -210,7 +226,7 @@ class AsyncSaver:
 
     def __repr__(self) -> str:
         state = "closed" if self._closed else repr(self._handle)
-        return f"AsyncSaver(process_group={self.process_group!r}, {state})"
+        return f"AsyncSaver(process_group={self.process_group!r}, executor={self.executor!r}, {state})"
 
     def _save(self, state: Mapping, path: Any, overwrite: bool, on_busy: str,
               on_durable: Callable[[SaveHandle], None] | None, background_group: Any,
@@ -239,7 +255,8 @@ class AsyncSaver:
         t0 = time.perf_counter()
         try:
             plain = registry.for_save(state, registry.Context(state, g.rank, g.size))
-            staged = _stage(plain, self._pool, stats, g.distributed)
+            buffers = self._offload.buffers if self._offload is not None else _host_buffers(self._pool)
+            staged = _stage(plain, buffers, stats, g.distributed)
         except Exception as e:
             if not g.distributed:
                 raise
@@ -251,7 +268,7 @@ class AsyncSaver:
         def work() -> None:
             error = None
             try:
-                run(staged or {}, loc, bg, overwrite, opts, stats, failed, plans)
+                run(staged or {}, loc, bg, overwrite, opts, stats, failed, plans, self._offload)
             except BaseException as e:  # noqa: BLE001 - surfaced on the handle
                 error = e
             stats.durable_seconds = time.perf_counter() - t_call
@@ -288,6 +305,7 @@ def async_save(
     on_durable: Callable[[SaveHandle], None] | None = None,
     background_group: Any = None,
     storage_options: Mapping[str, Any] | None = None,
+    executor: str = "thread",
     **options: Any,
 ) -> SaveHandle:
     """Save ``state`` like :func:`tensorckpt.save`, returning as soon as its
@@ -306,14 +324,19 @@ def async_save(
     every process (``torch.distributed.new_group(ranks, backend="gloo")``).
     torch cannot create one for a subgroup without every process taking part.
 
-    The work is done by the default :class:`AsyncSaver` of ``process_group``,
-    created on the first call and kept until exit.
+    ``executor``: ``"thread"`` (the default) or ``"process"`` (the objects
+    are encoded and written by a helper process: :class:`AsyncSaver`).
+
+    The work is done by the default :class:`AsyncSaver` of ``process_group``
+    and ``executor``, created on the first call and kept until exit.
     """
     _check_call(on_busy, options)
-    key = group_key(process_group)
+    if executor not in EXECUTORS:
+        raise ValueError(f"async_save(executor=...) must be one of {EXECUTORS}, got {executor!r}")
+    key = (group_key(process_group), executor)
     saver = _DEFAULT.get(key)
     if saver is None:
-        saver = _DEFAULT[key] = AsyncSaver(process_group)
+        saver = _DEFAULT[key] = AsyncSaver(process_group, executor=executor)
     loc = location.parse(path, storage_options)
     return saver._save(state, loc, overwrite, on_busy, on_durable, background_group, options)
 
@@ -325,11 +348,15 @@ def _check_call(on_busy: str, options: Mapping[str, Any]) -> SaveOptions:
     return opts
 
 
-def _stage(state: Mapping, pool: dict[str, torch.Tensor], stats: SaveStats, distributed: bool) -> dict:
-    """A copy of ``state`` whose tensors live in the pool's host buffers, as
-    ShardedTensors that keep each leaf's global shape and box (plain tensors
-    stay plain tensors: the save digests them as replicas)."""
-    leaves, used, cuda = {}, set(), False
+Buffers = Callable[[list[Spec]], tuple[dict[str, torch.Tensor], int]]  # specs -> (buffers by key, bytes allocated)
+
+
+def _stage(state: Mapping, buffers: Buffers, stats: SaveStats, distributed: bool) -> dict:
+    """A copy of ``state`` whose tensors live in staging buffers (of
+    ``buffers``: the saver's pool), as ShardedTensors that keep each leaf's
+    global shape and box (plain tensors stay plain tensors: the save digests
+    them as replicas)."""
+    leaves, parts = {}, []
     for key, leaf in flatten(state).items():
         if not leaf.is_tensor:
             leaves[leaf.path] = leaf.value  # flatten validated it and made a copy
@@ -337,23 +364,36 @@ def _stage(state: Mapping, pool: dict[str, torch.Tensor], stats: SaveStats, dist
         plain = is_plain(leaf.value)  # stays plain: the save checks that its replicas agree
         t, shape, box = saved_part(key, leaf.value, distributed)  # a meta tensor: an empty box, held by other ranks
         check_tensor(key, t)
-        plain = plain and tuple(t.shape) == shape
-        t = t.detach()
-        buf = pool.get(key)
-        if buf is None or buf.shape != t.shape or buf.dtype != t.dtype:
-            buf = torch.empty(t.shape, dtype=t.dtype, pin_memory=t.is_cuda)
-            pool[key] = buf
-            stats.staging_bytes_allocated += buf.numel() * buf.element_size()
+        parts.append((key, leaf.path, t.detach(), plain and tuple(t.shape) == shape, shape, box))
+    bufs, stats.staging_bytes_allocated = buffers([(key, tuple(t.shape), t.dtype, t.is_cuda) for key, _, t, *_ in parts])
+    cuda = False
+    for key, path, t, plain, shape, box in parts:
+        buf = bufs[key]
         buf.copy_(t, non_blocking=t.is_cuda)
         cuda = cuda or t.is_cuda
-        used.add(key)
         stats.bytes_staged += buf.numel() * buf.element_size()
-        leaves[leaf.path] = buf if plain else ShardedTensor(buf, shape, box.offset if box.numel else (0,) * len(shape))
-    for key in set(pool) - used:  # tensors gone from the state: free their buffers
-        del pool[key]
+        leaves[path] = buf if plain else ShardedTensor(buf, shape, box.offset if box.numel else (0,) * len(shape))
     if cuda:
         torch.cuda.synchronize()
     return unflatten(leaves)
+
+
+def _host_buffers(pool: dict[str, torch.Tensor]) -> Buffers:
+    """The thread executor's staging: a buffer per key, reused while its
+    shape and dtype stay the same (pinned for CUDA tensors); buffers of keys
+    gone from the state are freed."""
+    def buffers(specs: list[Spec]) -> tuple[dict[str, torch.Tensor], int]:
+        out, allocated = {}, 0
+        for key, shape, dtype, pinned in specs:
+            buf = pool.get(key)
+            if buf is None or tuple(buf.shape) != shape or buf.dtype != dtype:
+                buf = pool[key] = torch.empty(shape, dtype=dtype, pin_memory=pinned)
+                allocated += buf.numel() * buf.element_size()
+            out[key] = buf
+        for key in set(pool) - set(out):
+            del pool[key]
+        return out, allocated
+    return buffers
 
 
 def _background_group(g: Group, given: Any) -> Group:
@@ -384,8 +424,9 @@ def _background_group(g: Group, given: Any) -> Group:
     return bg
 
 
-# The process's savers: async_save's default one per process group (keyed by
-# the group object, engine/group.group_key), and every saver not closed yet,
+# The process's savers: async_save's default one per process group and
+# executor (keyed by the group object, engine/group.group_key, and the
+# executor's name), and every saver not closed yet,
 # whose save in flight is finished at exit.
 _DEFAULT: dict[object, AsyncSaver] = {}
 _OPEN: set[AsyncSaver] = set()

@@ -60,6 +60,7 @@ from ..layout.plan import (
 )
 from ..storage import arrays, codec, commit, direct, kv, location
 from ..storage.backend import backend_for
+from ..storage.offload import Offload
 from . import plan_cache
 from .group import Group, attempt
 from .replicas import check_not_flat, check_replicas, digests_of
@@ -149,7 +150,9 @@ class SaveStats:
     ``bytes_staged`` count tensor data. For an async save, ``stall_seconds``
     is the time the caller was blocked and ``durable_seconds`` the time from
     the call to the commit; ``staging_bytes_allocated`` is the host memory the
-    staging pool had to allocate (0 once buffers are reused).
+    staging pool had to allocate (0 once buffers are reused), and
+    ``bytes_offloaded`` the tensor data of the stored objects its helper
+    process wrote (``executor="process"``; the rest was written in-process).
     """
 
     plan_cache_hit: bool = False
@@ -159,6 +162,7 @@ class SaveStats:
     stall_seconds: float | None = None
     durable_seconds: float | None = None
     staging_bytes_allocated: int = 0
+    bytes_offloaded: int = 0
 
     def _phase(self, name: str, start: float) -> float:
         now = time.perf_counter()
@@ -208,13 +212,16 @@ def save(
 
 
 def run(state: Mapping, loc: location.Location, g: Group, overwrite: bool, options: SaveOptions, stats: SaveStats,
-        failed: BaseException | None = None, cache: plan_cache.PlanCache | None = None) -> None:
+        failed: BaseException | None = None, cache: plan_cache.PlanCache | None = None,
+        offload: Offload | None = None) -> None:
     """The save protocol (module docstring) over ``g``. ``failed``: this rank
     already failed (an async save's staging); it still takes part, so every
     rank raises the error instead of waiting for it. Any rank's failure is
     raised on every rank, naming every failing rank (:meth:`Group.collective`).
     ``cache``: the plan cache (default: the group's, ``plan_cache.for_group``;
-    an AsyncSaver passes its own)."""
+    an AsyncSaver passes its own). ``offload``: the helper process that
+    writes the stored objects whose elements it can read (an AsyncSaver's
+    with ``executor="process"``; storage/offload.py)."""
     t0 = time.perf_counter()
     plans = cache if cache is not None else plan_cache.for_group(g.pg)
     cache_key = plan_cache.key(g.size, options.shard_bytes, options.inner_chunk_bytes)
@@ -256,7 +263,7 @@ def run(state: Mapping, loc: location.Location, g: Group, overwrite: bool, optio
         if err is not None:
             raise err
         try:
-            digests = _write_local(state, plan, c.write_to, g.rank, stats, received)
+            digests = _write_local(state, plan, c.write_to, g.rank, stats, received, offload)
         except Exception:
             raise
         except BaseException:  # KeyboardInterrupt mid-write: leave nothing behind
@@ -420,7 +427,8 @@ def _assemble(region: Box, t: torch.Tensor, held: Box, pieces: list) -> torch.Te
 
 
 def _write_local(
-    state: Mapping, plan: SavePlan, loc: location.Location, rank: int, stats: SaveStats, received: dict | None = None
+    state: Mapping, plan: SavePlan, loc: location.Location, rank: int, stats: SaveStats, received: dict | None = None,
+    offload: Offload | None = None,
 ) -> Digests:
     """Write this rank's boxes (or chunks, assembled with the ``received``
     pieces) and group ``zarr.json`` objects, all concurrently; return the
@@ -441,13 +449,15 @@ def _write_local(
     small = {(k, b): pos for k, b in mine if (pos := arrays.whole_chunk(plan.entries[k], b)) is not None}
     own = backend.fast_chunks  # encode stored objects here rather than through TensorStore
     fast = {k for k, b in mine if own and (k, b) not in small and direct.usable(plan.entries[k])}
-    writer = backend.chunk_writer(loc) if fast else None
+    start, staging = time.perf_counter(), 0.0
+    writer: Any = backend.chunk_writer(loc) if fast else None
+    if writer is not None and offload is not None:
+        writer = offload.writer(writer)  # the helper process writes what lies in its shared staging
     opened = {k: arrays.open_write(loc, k, plan.entries[k]) for k in {k for k, b in mine if (k, b) not in small} - fast}
     writes, encoded, small_write = [], {}, lambda: None
     digests: Digests = {}
     digesting: list[tuple[str, tuple[int, ...], Any]] = []  # the direct writer's futures give the digests
     written, fsynced = set(objects), set()  # the keys of every object this rank writes; those already durable
-    start, staging = time.perf_counter(), 0.0
     try:
         host: dict[str, tuple[torch.Tensor, Box]] = {}  # the current key: its chunks share one host copy
         for key, box in mine:
@@ -486,6 +496,7 @@ def _write_local(
         failure = _settle(loc, writes, opened, meta_write, small_write)
         if writer is not None:
             writer.close()
+            stats.bytes_offloaded += getattr(writer, "offloaded", 0)  # the helper process's share (offload.py)
     stats.seconds["stage"] = stats.seconds.get("stage", 0.0) + staging
     stats.seconds["write"] = time.perf_counter() - start - staging
     if failure is not None:

@@ -9,7 +9,8 @@ through the kvstore) call it; the bytes are TensorStore's
 (tests/test_direct.py, tests/test_small_writes.py compare them).
 
 - :func:`geometry` -- the layout of one array's stored objects, a frozen
-  :class:`Geometry` built once per :class:`TensorEntry`.
+  :class:`Geometry` built once per :class:`TensorEntry` (:func:`geometry_of`
+  from its fields: the save's helper process, :mod:`.offload`).
 - :func:`encode` / :func:`encode_bytes` -- one stored object from a chunk's
   elements: inner chunk by inner chunk in C order (elements, then their
   CRC-32C), the index last; into a caller's reused buffer, piece by piece,
@@ -142,13 +143,16 @@ class Geometry:
 @functools.lru_cache(maxsize=1 << 12)
 def geometry(entry: TensorEntry) -> Geometry:
     """The :class:`Geometry` of ``entry``'s array (cached: entries are immutable)."""
-    d = entry.dtype_info
-    grid = tuple(c // i for c, i in zip(entry.chunk_shape, entry.inner_chunk_shape))
-    numel, count = math.prod(entry.inner_chunk_shape), math.prod(grid)
-    return Geometry(
-        tuple(entry.shape), tuple(entry.chunk_shape), tuple(entry.inner_chunk_shape), grid, count,
-        d.numpy, numel, numel * d.itemsize + 4, 16 * count + 4,
-    )
+    return geometry_of(tuple(entry.shape), tuple(entry.chunk_shape), tuple(entry.inner_chunk_shape), entry.dtype_info.numpy)
+
+
+def geometry_of(shape: tuple[int, ...], chunk: tuple[int, ...], inner: tuple[int, ...], dtype: np.dtype) -> Geometry:
+    """The :class:`Geometry` of an array of ``shape`` stored in objects of
+    ``chunk`` with inner chunks ``inner`` (checked metadata: ``inner``
+    divides ``chunk``) of elements ``dtype``."""
+    grid = tuple(c // i for c, i in zip(chunk, inner))
+    numel, count = math.prod(inner), math.prod(grid)
+    return Geometry(shape, chunk, inner, grid, count, dtype, numel, numel * dtype.itemsize + 4, 16 * count + 4)
 
 
 # ------------------------------------------------------------------ encoding
