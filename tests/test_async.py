@@ -142,11 +142,13 @@ def test_invalid_state_raises_at_the_call(tmp_path):
 
 
 def test_staging_buffers_are_reused_across_20_saves(tmp_path):
+    """The thread executor's pool: a buffer per key (the process executor's
+    arena: tests/test_offload.py)."""
     state = {"w": torch.randn(512, 512), "v": torch.randn(1000)}
     allocated = []
     for i in range(20):
         state["w"].add_(1)
-        h = tensorckpt.async_save(state, tmp_path / f"c{i}")
+        h = tensorckpt.async_save(state, tmp_path / f"c{i}", executor="thread")
         h.wait()
         allocated.append(h.stats.staging_bytes_allocated)
         if i in (0, 9, 19):
@@ -155,7 +157,7 @@ def test_staging_buffers_are_reused_across_20_saves(tmp_path):
     assert allocated[1:] == [0] * 19
     # a changed shape reallocates that buffer only; a dropped key frees its buffer
     state["v"] = torch.randn(10)
-    h = tensorckpt.async_save(state, tmp_path / "d")
+    h = tensorckpt.async_save(state, tmp_path / "d", executor="thread")
     h.wait()
     assert h.stats.staging_bytes_allocated == 40
 

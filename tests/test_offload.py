@@ -95,18 +95,28 @@ def test_the_caller_may_change_its_tensors_at_once_and_buffers_are_reused(tmp_pa
     assert h2.stats.bytes_offloaded > 0 and h3.stats.bytes_offloaded > h2.stats.bytes_offloaded
 
 
-def test_async_save_executor_argument(tmp_path):
+def test_the_executor_argument_and_its_environment_variable(tmp_path, monkeypatch):
     state = {"w": torch.randn(600, 600)}
-    h = tensorckpt.async_save(state, tmp_path / "x", executor="process")
+    monkeypatch.delenv("TENSORCKPT_ASYNC_EXECUTOR", raising=False)
+    h = tensorckpt.async_save(state, tmp_path / "x")  # the default on Linux: the helper writes it
     h.wait()
     assert h.stats.bytes_offloaded == 600 * 600 * 4
-    h = tensorckpt.async_save(state, tmp_path / "y")  # the default saver of the thread executor: its own
+    h = tensorckpt.async_save(state, tmp_path / "y", executor="thread")  # the thread executor's default saver
     h.wait()
     assert h.stats.bytes_offloaded == 0
+    monkeypatch.setenv("TENSORCKPT_ASYNC_EXECUTOR", "thread")
+    with tensorckpt.AsyncSaver() as saver:
+        assert saver.executor == "thread"
+        h = saver.save(state, tmp_path / "z")
+    assert h.stats.bytes_offloaded == 0
+    monkeypatch.setenv("TENSORCKPT_ASYNC_EXECUTOR", "threads")
+    with pytest.raises(ValueError, match="TENSORCKPT_ASYNC_EXECUTOR"):
+        tensorckpt.async_save(state, tmp_path / "w")
     with pytest.raises(ValueError, match="executor"):
-        tensorckpt.async_save(state, tmp_path / "z", executor="processes")
+        tensorckpt.async_save(state, tmp_path / "w", executor="processes")
     with pytest.raises(ValueError, match="executor"):
         tensorckpt.AsyncSaver(executor="gpu")
+    assert not (tmp_path / "w").exists()
 
 
 def test_a_helper_killed_mid_save_fails_that_save_only(tmp_path):

@@ -9,10 +9,11 @@ a background thread.
     background        engine.save.run over a process group of its own (so its
                       collectives never interleave with training's), exactly
                       as a synchronous save of the staged copies
-    helper process    with ``executor="process"``: the encoding, checksums,
-                      writes and fsyncs of the stored objects
-                      (storage/offload.py: shared-memory staging, so a
-                      GIL-bound training loop is not slowed by them)
+    helper process    with ``executor="process"`` (the default on Linux): the
+                      encoding, checksums, writes and fsyncs of the stored
+                      objects of local checkpoints (storage/offload.py:
+                      shared-memory staging, so a GIL-bound training loop
+                      is not slowed by them)
 
 An :class:`AsyncSaver` holds everything one process group's async saves
 share: the staging pool (buffers reused while a key's shape and dtype stay
@@ -38,6 +39,7 @@ nobody is looking at are finished; such a failure is printed to stderr.
 from __future__ import annotations
 
 import atexit
+import os
 import sys
 import threading
 import time
@@ -62,6 +64,7 @@ from .save import SaveOptions, SaveStats, check_tensor, run
 
 ON_BUSY = ("wait", "raise")
 EXECUTORS = ("thread", "process")
+DEFAULT_EXECUTOR = "process" if hasattr(os, "memfd_create") else "thread"  # Linux: a helper process (offload.py)
 
 
 class SaveHandle:
@@ -154,16 +157,18 @@ class AsyncSaver:
     objects are encoded and written, ``"thread"`` (a background thread of
     this process) or ``"process"`` (a helper process this saver starts now
     and stops on ``close()``, reading staging buffers in shared memory:
-    pick it when the training loop is Python-bound; storage/offload.py). ``save`` takes the options of
+    pick it when the training loop is Python-bound; storage/offload.py);
+    None: ``TENSORCKPT_ASYNC_EXECUTOR`` if set, else ``"process"`` where
+    the OS has ``memfd_create`` (Linux), ``"thread"`` elsewhere. CUDA
+    tensors are staged in pinned memory and written in-process either way. ``save`` takes the options of
     :func:`async_save` (``overwrite``, ``on_busy``, ``on_durable``, save
     options) and returns its :class:`SaveHandle`; ``wait(timeout=None)``
     waits for the save in flight and raises its error; ``close()`` finishes
     and releases (a closed saver refuses to save).
     """
 
-    def __init__(self, process_group: Any = None, background_group: Any = None, *, executor: str = "thread") -> None:
-        if executor not in EXECUTORS:
-            raise ValueError(f"AsyncSaver(executor=...) must be one of {EXECUTORS}, got {executor!r}")
+    def __init__(self, process_group: Any = None, background_group: Any = None, *, executor: str | None = None) -> None:
+        executor = _executor("AsyncSaver", executor)
         self.process_group = process_group
         self.executor = executor
         self._g = Group(process_group)
@@ -255,8 +260,7 @@ class AsyncSaver:
         t0 = time.perf_counter()
         try:
             plain = registry.for_save(state, registry.Context(state, g.rank, g.size))
-            buffers = self._offload.buffers if self._offload is not None else _host_buffers(self._pool)
-            staged = _stage(plain, buffers, stats, g.distributed)
+            staged = _stage(plain, self._buffers, stats, g.distributed)
         except Exception as e:
             if not g.distributed:
                 raise
@@ -283,6 +287,15 @@ class AsyncSaver:
             raise failed
         return handle
 
+    def _buffers(self, specs: list[Spec]) -> tuple[dict[str, torch.Tensor], int]:
+        """Staging buffers: pinned host buffers for CUDA tensors (written
+        in-process), the helper's shared arena for the rest (``"process"``)."""
+        if self._offload is None:
+            return _host_buffers(self._pool)(specs)
+        pinned, bytes_pinned = _host_buffers(self._pool)([s for s in specs if s[3]])
+        shared, bytes_shared = self._offload.buffers([s for s in specs if not s[3]])
+        return {**pinned, **shared}, bytes_pinned + bytes_shared
+
     def _background(self, given: Any) -> Group:
         """The group of the background collectives: the one made or given
         before, unless ``given`` is another one (then it replaces it, with a
@@ -305,7 +318,7 @@ def async_save(
     on_durable: Callable[[SaveHandle], None] | None = None,
     background_group: Any = None,
     storage_options: Mapping[str, Any] | None = None,
-    executor: str = "thread",
+    executor: str | None = None,
     **options: Any,
 ) -> SaveHandle:
     """Save ``state`` like :func:`tensorckpt.save`, returning as soon as its
@@ -324,21 +337,34 @@ def async_save(
     every process (``torch.distributed.new_group(ranks, backend="gloo")``).
     torch cannot create one for a subgroup without every process taking part.
 
-    ``executor``: ``"thread"`` (the default) or ``"process"`` (the objects
-    are encoded and written by a helper process: :class:`AsyncSaver`).
+    ``executor``: ``"thread"`` or ``"process"`` (the objects are encoded
+    and written by a helper process: :class:`AsyncSaver`); None:
+    ``TENSORCKPT_ASYNC_EXECUTOR`` if set, else ``"process"`` on Linux.
 
     The work is done by the default :class:`AsyncSaver` of ``process_group``
     and ``executor``, created on the first call and kept until exit.
     """
     _check_call(on_busy, options)
-    if executor not in EXECUTORS:
-        raise ValueError(f"async_save(executor=...) must be one of {EXECUTORS}, got {executor!r}")
+    executor = _executor("async_save", executor)
     key = (group_key(process_group), executor)
     saver = _DEFAULT.get(key)
     if saver is None:
         saver = _DEFAULT[key] = AsyncSaver(process_group, executor=executor)
     loc = location.parse(path, storage_options)
     return saver._save(state, loc, overwrite, on_busy, on_durable, background_group, options)
+
+
+def _executor(caller: str, given: str | None) -> str:
+    """``given``, or ``TENSORCKPT_ASYNC_EXECUTOR``, or :data:`DEFAULT_EXECUTOR`; checked."""
+    if given is None:
+        env = os.environ.get("TENSORCKPT_ASYNC_EXECUTOR")
+        if env and env not in EXECUTORS:
+            raise ValueError(f"TENSORCKPT_ASYNC_EXECUTOR must be one of {EXECUTORS}, got {env!r} "
+                             f"(unset it for the default, {DEFAULT_EXECUTOR!r})")
+        return env or DEFAULT_EXECUTOR
+    if given not in EXECUTORS:
+        raise ValueError(f"{caller}(executor=...) must be one of {EXECUTORS}, got {given!r}")
+    return given
 
 
 def _check_call(on_busy: str, options: Mapping[str, Any]) -> SaveOptions:

@@ -47,14 +47,16 @@ import math
 import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import google_crc32c
 import numpy as np
 
 from ..errors import CorruptCheckpointError
-from ..format.metadata import TensorEntry
 from ..layout.boxes import Box, chunk_box, chunk_ranges
+
+if TYPE_CHECKING:  # not imported: the save's helper process imports this module without torch (offload_helper.py)
+    from ..format.metadata import TensorEntry
 
 EMPTY = 2**64 - 1  # both fields of the index entry of an inner chunk never written
 Crc = Callable[[int, Any, int], int]  # (crc so far, an address or bytes, length) -> crc

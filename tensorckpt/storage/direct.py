@@ -70,6 +70,7 @@ from ..layout.boxes import Box, chunk_box, read_plan
 from . import codec
 from . import threads as pools
 from .arrays import chunk_key
+from .files import write_durable
 
 BUFFER_BYTES = 1 << 20  # largest single read (stays in the CPU cache for the check and copy that follow)
 THREADS = 4  # stored objects read at once: reads of one overlap the checks and copies of others
@@ -173,13 +174,7 @@ class LocalObjects:
         if parent not in self._made:
             os.makedirs(parent, exist_ok=True)
             self._made.add(parent)
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC | os.O_NOFOLLOW, 0o644)
-        try:
-            for piece in pieces:
-                _write_all(fd, piece)
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        write_durable(path, pieces)
 
     def open(self, rel: str, where: str) -> LocalFile:
         try:
@@ -300,11 +295,6 @@ def _submit(pool: ThreadPoolExecutor, fn: Callable[..., Any], *args: Any) -> Fut
         except Exception as e:  # noqa: BLE001 - the future carries it, as pool.submit's would
             done.set_exception(e)
         return done
-
-
-def _write_all(fd: int, view: memoryview) -> None:
-    while view:
-        view = view[os.write(fd, view):]
 
 
 class Pool:

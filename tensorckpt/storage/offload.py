@@ -30,10 +30,12 @@ helper process:
   group, metadata, the commit protocol, phase stats) stays in the training
   process's background thread, which now mostly waits.
 
-The helper is started (``python -c "...; serve(fd)"``: this interpreter and this tensorckpt; a session
-of its own: a Ctrl-C in the terminal reaches only the training process) when
-the saver is created, and is ready by the first write (it imports tensorckpt:
-~2-3 s, once). It exits when its socket closes: the saver's ``close()``, or
+The helper (:mod:`.offload_helper`: its side and the messages) is started
+with this interpreter and this copy of tensorckpt, without the package's
+``__init__`` (no torch, no TensorStore: ready in ~0.2 s, tens of MiB), in a
+session of its own (a Ctrl-C in the terminal reaches only the training
+process), when the saver is created; the first write waits until it is ready.
+It exits when its socket closes: the saver's ``close()``, or
 the training process's exit or death (so it never outlives it writing). If
 it dies mid-save (killed, out of memory), that save fails naming it (the
 commit never happens: a failed save leaves the previous checkpoint as it
@@ -49,29 +51,26 @@ import json
 import math
 import mmap
 import os
-import signal
 import socket
 import subprocess
 import sys
 import threading
 import weakref
 from collections.abc import Sequence
-from concurrent.futures import Future, ThreadPoolExecutor, wait
+from concurrent.futures import Future, wait
 from typing import Any
 
 import numpy as np
 import torch
 
 from ..errors import TensorckptError
-from ..format import dtypes
 from ..format.metadata import TensorEntry
-from . import codec
 from .arrays import chunk_key
 from .direct import BUFFER_BYTES, WRITE_THREADS, LocalObjects, Writer
+from .offload_helper import MESSAGE_BYTES
 
 ALIGN = 64  # bytes: every staging buffer in the arena starts on a cache line
 READY_SECONDS = 300.0  # how long the first write waits for the helper to start
-_MESSAGE = 1 << 16  # the largest message either side sends
 
 Spec = tuple[str, tuple[int, ...], torch.dtype, bool]  # a staging buffer: key, shape, dtype, pinned (unused here)
 
@@ -229,9 +228,11 @@ class _Helper:
 
     def __init__(self) -> None:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        top = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-        code = (f"import sys; top = {top!r}; sys.path[:0] = [] if top in sys.path else [top]; "  # this tensorckpt
-                f"from tensorckpt.storage.offload import serve; serve({theirs.fileno()})")
+        package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # this tensorckpt, not another
+        code = ("import sys, types; m = types.ModuleType('tensorckpt'); "  # its __init__ (torch, TensorStore) not run
+                f"m.__path__ = [{package!r}]; sys.modules['tensorckpt'] = m; "
+                "from tensorckpt.storage.offload_helper import serve; "
+                f"serve({theirs.fileno()}, {WRITE_THREADS}, {BUFFER_BYTES})")
         try:
             self.proc = subprocess.Popen(  # noqa: S603 - this interpreter, a fixed command
                 [sys.executable, "-c", code], pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL,
@@ -279,7 +280,7 @@ class _Helper:
     def _receive(self) -> None:
         try:
             while True:
-                data = self.sock.recv(_MESSAGE)
+                data = self.sock.recv(MESSAGE_BYTES)
                 if not data:
                     break
                 reply = json.loads(data)
@@ -351,7 +352,7 @@ class _HelperWriter:
             return self.inner.write(key, entry, pos, data)
         rel = f"{key}/{chunk_key(pos)}"
         future = self.helper.submit({
-            "root": self.root, "rel": rel, "dtype": entry.dtype, "shape": list(entry.shape),
+            "root": self.root, "rel": rel, "dtype": wire_dtype(entry.dtype_info.numpy), "shape": list(entry.shape),
             "chunk": list(entry.chunk_shape), "inner": list(entry.inner_chunk_shape), "arena": self.arena.id,
             "offset": offset, "elements": list(data.shape), "strides": list(data.strides),
         }, os.path.join(self.root, rel))
@@ -365,6 +366,13 @@ class _HelperWriter:
         self.inner.close()
 
 
+def wire_dtype(d: np.dtype) -> str:
+    """The numpy dtype the helper copies ``d``'s elements as: ``d`` itself,
+    or an unsigned integer of its size for the ml_dtypes types (bfloat16,
+    float8), which the helper does not import: encoding only copies bytes."""
+    return d.str if d.kind in "biufc" else f"<u{d.itemsize}"
+
+
 _ALL: weakref.WeakSet[Offload] = weakref.WeakSet()
 
 
@@ -374,56 +382,3 @@ def _after_fork() -> None:
 
 
 os.register_at_fork(after_in_child=_after_fork)
-
-
-# ------------------------------------------------------------------ the helper's side
-
-
-def serve(fd: int) -> None:
-    """The helper process: map arenas, write the objects asked for, answer; exit when the socket closes."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    sock = socket.socket(fileno=fd)
-    arenas: dict[int, mmap.mmap] = {}
-    local = threading.local()
-    lock = threading.Lock()
-    pool = ThreadPoolExecutor(WRITE_THREADS, thread_name_prefix="tensorckpt-offload")
-
-    def answer(reply: dict[str, Any]) -> None:
-        with lock:
-            sock.send(json.dumps(reply).encode())
-
-    def write(m: dict[str, Any]) -> None:
-        try:
-            d = dtypes.for_name(m["dtype"], m["rel"])
-            g = codec.geometry_of(tuple(m["shape"]), tuple(m["chunk"]), tuple(m["inner"]), d.numpy)
-            data = np.ndarray(tuple(m["elements"]), d.numpy, buffer=arenas[m["arena"]], offset=m["offset"],
-                              strides=tuple(m["strides"]))
-            size = max(1, BUFFER_BYTES // g.encoded) * g.encoded
-            buf = getattr(local, "buf", None)
-            if buf is None or len(buf) < size:
-                buf = local.buf = np.empty(size, np.uint8)
-            digest = codec.new_digest()
-            LocalObjects(m["root"]).put(m["rel"], codec.encode(g, data, buf, digest))  # no directory cache: saves differ
-            answer({"id": m["id"], "digest": digest.hexdigest()})
-        except Exception as e:  # noqa: BLE001 - every failure is the training process's to raise
-            answer({"id": m["id"], "error": getattr(e, "strerror", None) or str(e) or type(e).__name__,
-                    "errno": getattr(e, "errno", None)})
-
-    answer({"ready": True})
-    while True:
-        try:
-            data, fds, _, _ = socket.recv_fds(sock, _MESSAGE, 1)
-        except OSError:
-            break
-        if not data:
-            break
-        m = json.loads(data)
-        if m["op"] == "map":
-            arenas[m["arena"]] = mmap.mmap(fds[0], m["size"], prot=mmap.PROT_READ)
-            os.close(fds[0])
-        elif m["op"] == "unmap":
-            arenas.pop(m["arena"], None)  # unmapped once no write holds it
-        else:
-            pool.submit(write, m)
-    os._exit(0)  # the training process is gone or closed the saver: nothing left to write for
-
