@@ -156,8 +156,9 @@ class AsyncSaver:
     same ranks, needed over a subgroup. ``executor``: where the stored
     objects are encoded and written, ``"thread"`` (a background thread of
     this process) or ``"process"`` (a helper process this saver starts now
-    and stops on ``close()``, reading staging buffers in shared memory:
-    pick it when the training loop is Python-bound; storage/offload.py);
+    and stops on ``close()``, reading staging
+    buffers in shared memory, so a Python-bound training loop keeps its
+    speed; storage/offload.py);
     None: ``TENSORCKPT_ASYNC_EXECUTOR`` if set, else ``"process"`` where
     the OS has ``memfd_create`` (Linux), ``"thread"`` elsewhere. CUDA
     tensors are staged in pinned memory and written in-process either way. ``save`` takes the options of

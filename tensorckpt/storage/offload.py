@@ -34,7 +34,8 @@ The helper (:mod:`.offload_helper`: its side and the messages) is started
 with this interpreter and this copy of tensorckpt, without the package's
 ``__init__`` (no torch, no TensorStore: ready in ~0.2 s, tens of MiB), in a
 session of its own (a Ctrl-C in the terminal reaches only the training
-process), when the saver is created; the first write waits until it is ready.
+process), when the saver is created; the first write waits until it is ready
+(another is started by the next save if it died).
 It exits when its socket closes: the saver's ``close()``, or
 the training process's exit or death (so it never outlives it writing). If
 it dies mid-save (killed, out of memory), that save fails naming it (the
@@ -125,7 +126,7 @@ class Offload:
         self._helper: _Helper | None = None
         self._generation = 0
         _ALL.add(self)
-        self._start()
+        self._start()  # now: it inherits the environment and limits of the saver's creation
 
     # -- staging (the caller's thread)
 
@@ -133,11 +134,12 @@ class Offload:
         """Staging buffers for ``specs``, and the bytes newly allocated for
         them (0: the last call's buffers are reused)."""
         specs = list(specs)
+        arena = self._arena
         with self._lock:
-            if self._helper is None or not self._helper.alive:
-                self._start()  # a helper died since the last save: a new one, and a new arena for it
-        if self._arena is not None and specs == self._layout and self._arena.sent_to in (None, self._generation):
-            return self._buffers, 0
+            h = self._helper
+            mapped = arena is not None and arena.sent_to == self._generation and h is not None and h.alive
+        if arena is not None and specs == self._layout and (arena.sent_to is None or mapped):
+            return self._buffers, 0  # (an arena mapped by a helper that died cannot be sent to the next one)
         self.free()
         offsets, size = [], 0
         for _, shape, dtype, _ in specs:
