@@ -24,7 +24,7 @@ from tensorckpt import CorruptCheckpointError
 from tensorckpt.checkpoint import Checkpoint
 from tensorckpt.format import dtypes
 from tensorckpt.layout.boxes import Box
-from tensorckpt.storage import arrays, direct
+from tensorckpt.storage import arrays, direct, files
 
 pytestmark = pytest.mark.usefixtures("fresh_plan_cache")
 GOLDEN = Path(__file__).resolve().parent.parent / "conformance" / "golden"
@@ -411,7 +411,7 @@ def test_a_failing_write_fails_the_save_and_keeps_the_previous(tmp_path, monkeyp
         return getattr(os, fail)(*a, **kw)
 
     setattr(fake, fail, failing)
-    monkeypatch.setattr(direct, "os", fake)
+    monkeypatch.setattr(files, "os", fake)  # the direct writer's file writes (storage/files.py)
     monkeypatch.setattr(arrays, "SYNC_OBJECT_BYTES", 1)  # every object is fsynced as written
     with pytest.raises(tensorckpt.TensorckptError, match="No space left"):
         tensorckpt.save({"w": W * 2}, path, overwrite=True, inner_chunk_bytes=16 * 16 * 4, shard_bytes=32 * 48 * 4)
