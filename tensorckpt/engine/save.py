@@ -60,7 +60,7 @@ from ..layout.plan import (
 )
 from ..storage import arrays, codec, commit, direct, kv, location
 from ..storage.backend import backend_for
-from ..storage.offload import Offload
+from ..storage.offload import HelperWriter, Offload
 from . import plan_cache
 from .group import Group, attempt
 from .replicas import check_not_flat, check_replicas, digests_of
@@ -503,7 +503,10 @@ def _write_local(
         raise failure
     t = time.perf_counter()
     try:
-        backend.sync(loc, written, fsynced)
+        if isinstance(writer, HelperWriter):  # the helper process fsyncs them (offload.py)
+            writer.sync(written, fsynced)
+        else:
+            backend.sync(loc, written, fsynced)
     except OSError as e:
         raise TensorckptError(f"{loc}: making the written data durable failed: {e}") from e
     stats._phase("sync", t)

@@ -20,6 +20,7 @@ import tensorstore as ts
 from ..errors import TensorckptError
 from . import threads
 from .backend import backend_for
+from .files import fsync_path
 from .location import CONTEXT, Location
 
 _libc = ctypes.CDLL(None, use_errno=True)
@@ -161,21 +162,14 @@ def sync_files(root: str, keys: Collection[str], fsynced: Collection[str] = ()) 
     dirtying the page cache (bench_durable.py's "many" rows)."""
     if not keys:
         return
-    files = [os.path.join(root, k) for k in keys if k not in fsynced]
-    dirs: set[str] = set()
-    for k in keys:
-        d = os.path.dirname(k)
-        while d and d not in dirs:
-            dirs.add(d)
-            d = os.path.dirname(d)
-    paths = [*files, *(os.path.join(root, d) for d in dirs), root]
+    paths = sync_paths(root, keys, fsynced)
     if len(paths) > SYNCFS_ABOVE:  # one syncfs costs less than thousands of fsyncs, even beside a busy neighbour
         sync_tree(root)
         return
     if len(paths) > 2:
         with threads.borrowed("sync", SYNC_THREADS) as pool:
             try:
-                futures = [pool.submit(_fsync, p) for p in paths]
+                futures = [pool.submit(fsync_path, p) for p in paths]
             except RuntimeError:  # the interpreter is exiting (an async save finishing at exit): no new threads
                 futures = []
             wait(futures)  # all done before the pool is given back
@@ -184,7 +178,20 @@ def sync_files(root: str, keys: Collection[str], fsynced: Collection[str] = ()) 
                 f.result()  # raises the first failure
             return
     for p in paths:
-        _fsync(p)
+        fsync_path(p)
+
+
+def sync_paths(root: str, keys: Collection[str], fsynced: Collection[str] = ()) -> list[str]:
+    """What :func:`sync_files` fsyncs: the objects ``keys`` but those in
+    ``fsynced``, then every directory on their paths up to ``root``, each once."""
+    files = [os.path.join(root, k) for k in keys if k not in fsynced]
+    dirs: set[str] = set()
+    for k in keys:
+        d = os.path.dirname(k)
+        while d and d not in dirs:
+            dirs.add(d)
+            d = os.path.dirname(d)
+    return [*files, *(os.path.join(root, d) for d in dirs), root]
 
 
 def sync_tree(path: str) -> None:
@@ -202,18 +209,9 @@ def sync_tree(path: str) -> None:
         os.close(fd)
 
 
-def _fsync(path: str, flags: int = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC) -> None:
-    """fsync of a file or directory, by default opened without following a link."""
-    fd = os.open(path, flags)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def fsync_dir(path: str) -> None:
     """fsync of a directory the caller named (a link to it is followed: a manager root may be one)."""
-    _fsync(path, os.O_RDONLY)
+    fsync_path(path, os.O_RDONLY)
 
 
 def write_many_async(loc: Location, objects: dict[str, bytes]) -> Callable[[], None]:

@@ -57,7 +57,7 @@ import subprocess
 import sys
 import threading
 import weakref
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from concurrent.futures import Future, wait
 from typing import Any
 
@@ -66,11 +66,13 @@ import torch
 
 from ..errors import TensorckptError
 from ..format.metadata import TensorEntry
+from . import kv
 from .arrays import chunk_key
 from .direct import BUFFER_BYTES, WRITE_THREADS, LocalObjects, Writer
 from .offload_helper import MESSAGE_BYTES
 
 ALIGN = 64  # bytes: every staging buffer in the arena starts on a cache line
+SYNC_BATCH = 100  # paths per sync message (each well under the socket's message size)
 READY_SECONDS = 300.0  # how long the first write waits for the helper to start
 
 Spec = tuple[str, tuple[int, ...], torch.dtype, bool]  # a staging buffer: key, shape, dtype, pinned (unused here)
@@ -166,7 +168,7 @@ class Offload:
 
     # -- writes (the save's background thread)
 
-    def writer(self, inner: Writer) -> Writer | _HelperWriter:
+    def writer(self, inner: Writer) -> Writer | HelperWriter:
         """The save's chunk writer: ``inner`` (the in-process one) for what
         the helper cannot write, the helper for the rest."""
         if not isinstance(inner.objects, LocalObjects) or self._arena is None:
@@ -174,7 +176,7 @@ class Offload:
         helper = self._ready()
         if helper is None:
             return inner
-        return _HelperWriter(helper, self._arena, inner)
+        return HelperWriter(helper, self._arena, inner)
 
     def _start(self) -> None:
         self._generation += 1
@@ -274,7 +276,7 @@ class _Helper:
             self._fail_pending()
             return future
         try:
-            self.send({**message, "op": "write", "id": job})
+            self.send({"op": "write", **message, "id": job})
         except OSError:
             self._fail_pending()
         return future
@@ -338,7 +340,7 @@ class _Helper:
         self.sock.close()
 
 
-class _HelperWriter:
+class HelperWriter:
     """A save's chunk writer (:class:`.direct.Writer`'s ``write`` / ``close``)
     that sends objects whose elements lie in the arena to the helper."""
 
@@ -366,6 +368,21 @@ class _HelperWriter:
         wait(self._started)
         self._started = []
         self.inner.close()
+
+    def sync(self, keys: Collection[str], fsynced: Collection[str]) -> None:
+        """Make the objects ``keys`` written under the root durable, as
+        :func:`.kv.sync_files` does, the fsyncs done by the helper (on its
+        threads, in a few batches: their Python is not this process's)."""
+        paths = kv.sync_paths(self.root, keys, fsynced)
+        if len(paths) > kv.SYNCFS_ABOVE:
+            kv.sync_files(self.root, keys, fsynced)  # one syncfs, here
+            return
+        batch = max(1, min(SYNC_BATCH, -(-len(paths) // WRITE_THREADS)))
+        futures = [self.helper.submit({"op": "sync", "paths": paths[i:i + batch]}, self.root)
+                   for i in range(0, len(paths), batch)]
+        wait(futures)
+        for f in futures:
+            f.result()  # raises the first failure
 
 
 def wire_dtype(d: np.dtype) -> str:

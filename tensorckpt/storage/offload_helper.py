@@ -14,11 +14,13 @@ datagram:
       {"op": "write", "id": job, "root": dir, "rel": key, "dtype": numpy str,
        "shape", "chunk", "inner": the array's geometry,
        "arena": id, "offset": bytes, "elements": shape, "strides": bytes}
+      {"op": "sync", "id": job, "paths": [file or directory, ...]}  fsync each
     helper -> training process
       {"ready": true}  once, first
       {"id": job, "digest": hex}  or  {"id": job, "error": text, "errno": n | null}
 
-A write encodes the object with :func:`codec.encode` from the arena (mapped
+A sync fsyncs each path (opened without following a link), the save's
+directories and the files it did not fsync as written. A write encodes the object with :func:`codec.encode` from the arena (mapped
 read-only), writes and fsyncs it (:func:`files.write_durable`) on one of
 ``threads`` threads, and answers with its digest (spec 7.1) or its error.
 The helper exits as soon as its socket closes (the saver closed, or the
@@ -39,7 +41,7 @@ from typing import Any
 import numpy as np
 
 from . import codec
-from .files import write_durable
+from .files import fsync_path, write_durable
 
 MESSAGE_BYTES = 1 << 16  # the largest message either side sends
 
@@ -57,8 +59,13 @@ def serve(fd: int, threads: int, buffer_bytes: int) -> None:
         with lock:
             sock.send(json.dumps(reply).encode())
 
-    def write(m: dict[str, Any]) -> None:
+    def run(m: dict[str, Any]) -> None:
         try:
+            if m["op"] == "sync":
+                for path in m["paths"]:
+                    fsync_path(path)
+                answer({"id": m["id"], "digest": ""})
+                return
             d = np.dtype(m["dtype"])
             g = codec.geometry_of(tuple(m["shape"]), tuple(m["chunk"]), tuple(m["inner"]), d)
             data = np.ndarray(tuple(m["elements"]), d, buffer=arenas[m["arena"]], offset=m["offset"],
@@ -91,5 +98,5 @@ def serve(fd: int, threads: int, buffer_bytes: int) -> None:
         elif m["op"] == "unmap":
             arenas.pop(m["arena"], None)  # unmapped once no write holds it
         else:
-            pool.submit(write, m)
+            pool.submit(run, m)
     os._exit(0)  # the training process is gone or closed the saver: nothing left to write for
