@@ -292,8 +292,8 @@ class AsyncSaver:
         """Staging buffers: pinned host buffers for CUDA tensors (written
         in-process), the helper's shared arena for the rest (``"process"``)."""
         if self._offload is None:
-            return _host_buffers(self._pool)(specs)
-        pinned, bytes_pinned = _host_buffers(self._pool)([s for s in specs if s[3]])
+            return _host_buffers(self._pool, specs)
+        pinned, bytes_pinned = _host_buffers(self._pool, [s for s in specs if s[3]])
         shared, bytes_shared = self._offload.buffers([s for s in specs if not s[3]])
         return {**pinned, **shared}, bytes_pinned + bytes_shared
 
@@ -405,22 +405,21 @@ def _stage(state: Mapping, buffers: Buffers, stats: SaveStats, distributed: bool
     return unflatten(leaves)
 
 
-def _host_buffers(pool: dict[str, torch.Tensor]) -> Buffers:
-    """The thread executor's staging: a buffer per key, reused while its
-    shape and dtype stay the same (pinned for CUDA tensors); buffers of keys
-    gone from the state are freed."""
-    def buffers(specs: list[Spec]) -> tuple[dict[str, torch.Tensor], int]:
-        out, allocated = {}, 0
-        for key, shape, dtype, pinned in specs:
-            buf = pool.get(key)
-            if buf is None or tuple(buf.shape) != shape or buf.dtype != dtype:
-                buf = pool[key] = torch.empty(shape, dtype=dtype, pin_memory=pinned)
-                allocated += buf.numel() * buf.element_size()
-            out[key] = buf
-        for key in set(pool) - set(out):
-            del pool[key]
-        return out, allocated
-    return buffers
+def _host_buffers(pool: dict[str, torch.Tensor], specs: list[Spec]) -> tuple[dict[str, torch.Tensor], int]:
+    """The thread executor's staging (and CUDA tensors' with either): a
+    buffer of ``pool`` per key, reused while its shape and dtype stay the
+    same (pinned for CUDA tensors); buffers of keys not in ``specs`` are
+    freed. Returns the buffers and the bytes newly allocated."""
+    out, allocated = {}, 0
+    for key, shape, dtype, pinned in specs:
+        buf = pool.get(key)
+        if buf is None or tuple(buf.shape) != shape or buf.dtype != dtype:
+            buf = pool[key] = torch.empty(shape, dtype=dtype, pin_memory=pinned)
+            allocated += buf.numel() * buf.element_size()
+        out[key] = buf
+    for key in set(pool) - set(out):
+        del pool[key]
+    return out, allocated
 
 
 def _background_group(g: Group, given: Any) -> Group:

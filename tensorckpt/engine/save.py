@@ -496,7 +496,8 @@ def _write_local(
         failure = _settle(loc, writes, opened, meta_write, small_write)
         if writer is not None:
             writer.close()
-            stats.bytes_offloaded += getattr(writer, "offloaded", 0)  # the helper process's share (offload.py)
+            if isinstance(writer, HelperWriter):
+                stats.bytes_offloaded += writer.offloaded  # the helper process's share (offload.py)
     stats.seconds["stage"] = stats.seconds.get("stage", 0.0) + staging
     stats.seconds["write"] = time.perf_counter() - start - staging
     if failure is not None:

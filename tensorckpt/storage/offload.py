@@ -98,8 +98,7 @@ class _Arena:
         self.sent_to: int | None = None  # the helper generation that has it mapped
 
     def buffer(self, offset: int, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-        n = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
-        return self.whole[offset:offset + n].view(dtype).view(shape)
+        return self.whole[offset:offset + math.prod(shape) * dtype.itemsize].view(dtype).view(shape)
 
     def offset_of(self, a: np.ndarray) -> int | None:
         """Where the elements of ``a`` start in the arena, if all of them lie in it."""
@@ -146,8 +145,7 @@ class Offload:
         offsets, size = [], 0
         for _, shape, dtype, _ in specs:
             offsets.append(size)
-            n = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
-            size += -(-n // ALIGN) * ALIGN
+            size += -(-math.prod(shape) * dtype.itemsize // ALIGN) * ALIGN
         if size == 0:
             return {key: torch.empty(shape, dtype=dtype) for key, shape, dtype, _ in specs}, 0
         arena = _Arena(size)
@@ -176,11 +174,12 @@ class Offload:
         helper = self._ready()
         if helper is None:
             return inner
-        return HelperWriter(helper, self._arena, inner)
+        return HelperWriter(helper, self._arena, inner, inner.objects.root)
 
-    def _start(self) -> None:
+    def _start(self) -> _Helper:
         self._generation += 1
         self._helper = _Helper()
+        return self._helper
 
     def _ready(self) -> _Helper | None:
         """The helper, started again if it died, with the arena mapped; None
@@ -190,11 +189,7 @@ class Offload:
         if arena is None:
             return None
         with self._lock:
-            if self._helper is None or not self._helper.alive:
-                self._start()
-            helper = self._helper
-        if helper is None:
-            return None
+            helper = self._helper if self._helper is not None and self._helper.alive else self._start()
         helper.wait_ready()
         with self._lock:
             if arena.sent_to is None and arena.fd is not None:
@@ -344,9 +339,8 @@ class HelperWriter:
     """A save's chunk writer (:class:`.direct.Writer`'s ``write`` / ``close``)
     that sends objects whose elements lie in the arena to the helper."""
 
-    def __init__(self, helper: _Helper, arena: _Arena, inner: Writer) -> None:
-        self.helper, self.arena, self.inner = helper, arena, inner
-        self.root = inner.objects.root if isinstance(inner.objects, LocalObjects) else ""
+    def __init__(self, helper: _Helper, arena: _Arena, inner: Writer, root: str) -> None:
+        self.helper, self.arena, self.inner, self.root = helper, arena, inner, root
         self._started: list[Future[str]] = []
         self.offloaded = 0  # bytes of tensor data sent to the helper
 
@@ -375,7 +369,7 @@ class HelperWriter:
         threads, in a few batches: their Python is not this process's)."""
         paths = kv.sync_paths(self.root, keys, fsynced)
         if len(paths) > kv.SYNCFS_ABOVE:
-            kv.sync_files(self.root, keys, fsynced)  # one syncfs, here
+            kv.sync_tree(self.root)  # one syncfs, here, as sync_files does past that count
             return
         batch = max(1, min(SYNC_BATCH, -(-len(paths) // WRITE_THREADS)))
         futures = [self.helper.submit({"op": "sync", "paths": paths[i:i + batch]}, self.root)
