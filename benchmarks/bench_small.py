@@ -1,11 +1,20 @@
-"""Many small tensors, and peak host memory of a load: tensorckpt vs torch.save.
+"""Many small tensors (save and load, tensorckpt vs torch DCP vs torch.save),
+and peak host memory of a load.
 
     .venv/bin/python benchmarks/bench_small.py [--tensors 5000] [--numel 4096] [--reps 3] [--dir DIR]
+        [--load-mib 1024] [--dcp-threads 4]
 
-Save: a state of --tensors float32 tensors of --numel elements each (default
-5,000 x 16 KiB, like the many small parameters of a real model: norms, biases,
-embeddings of small vocabularies), saved durably by tensorckpt.save and by
-torch.save (+ fsync of the file and its directory); medians of --reps.
+Many small tensors: a state of --tensors float32 tensors of --numel elements
+each (default 5,000 x 16 KiB, like the many small parameters of a real model:
+norms, biases, embeddings of small vocabularies), saved durably by
+tensorckpt.save, by torch DCP (``no_dist``; its defaults, and
+``FileSystemWriter(thread_count=--dcp-threads)``) and by torch.save (+ fsync of
+the file and its directory), then loaded into a preallocated zeroed target by
+each (torch.save's with torch.load(mmap=True) + copy_), cold (page cache
+dropped first where permitted) and warm, every load checked with
+torch.equal. The methods' order rotates between --reps repetitions; medians
+[min-max] and tensorckpt's time against each peer's (above 1: tensorckpt is
+faster).
 
 Load memory: a fresh process allocates the target state, then loads a ~1 GiB
 checkpoint into it (page cache dropped first where permitted). Printed: the
@@ -26,8 +35,10 @@ import subprocess
 import sys
 import tempfile
 import time
+import warnings
 
 import torch
+import torch.distributed.checkpoint as dcp
 
 import tensorckpt
 from common import drop_caches, torch_save
@@ -61,13 +72,86 @@ print(json.dumps({"size": size, "peak_over_base": peak - base, "seconds": dt}))
 """
 
 
+def _dcp_save(threads: int | None):
+    def save(state, path):
+        writer = dcp.FileSystemWriter(path) if threads is None else dcp.FileSystemWriter(path, thread_count=threads)
+        dcp.save(state, storage_writer=writer, no_dist=True)
+    return save
+
+
+def _torch_load(target, path) -> None:
+    loaded = torch.load(os.path.join(path, "ckpt.pt"), mmap=True, weights_only=True)
+    for k, v in target.items():
+        v.copy_(loaded[k])
+
+
+SAVES = {
+    "tensorckpt": tensorckpt.save,
+    "dcp": _dcp_save(None),
+    "dcp threads": None,  # set in many(): thread_count=--dcp-threads
+    "torch.save": torch_save,
+}
+LOADS = {
+    "tensorckpt": tensorckpt.load,
+    "dcp": lambda target, path: dcp.load(target, checkpoint_id=path, no_dist=True),
+    "dcp threads": lambda target, path: dcp.load(target, checkpoint_id=path, no_dist=True),
+    "torch.save": _torch_load,
+}
+
+
+def _summary(times: dict[str, list[float]], what: str) -> None:
+    med = {k: statistics.median(v) for k, v in times.items()}
+    for k, v in times.items():
+        print(f"  {what} {k:<12} median {med[k]:.3f} s  [{min(v):.3f}-{max(v):.3f}]")
+    print(f"  {what}: tensorckpt vs " + ", ".join(
+        f"{k} x{med[k] / med['tensorckpt']:.2f}" for k in times if k != "tensorckpt") + " (time ratio: > 1 = tensorckpt faster)")
+
+
+def many(state: dict, scratch: str, reps: int, dcp_threads: int) -> None:
+    """Save and load ``state`` with every method, rotated per rep; print medians and ratios."""
+    saves = {**SAVES, "dcp threads": _dcp_save(dcp_threads)}
+    names = list(saves)
+    save_t: dict[str, list[float]] = {k: [] for k in names}
+    load_t: dict[str, dict[str, list[float]]] = {"cold": {k: [] for k in names}, "warm": {k: [] for k in names}}
+    target = {k: torch.zeros_like(v) for k, v in state.items()}
+    cold = drop_caches() is None
+    for rep in range(reps):
+        order = names[rep % len(names):] + names[:rep % len(names)]
+        for name in order:
+            path = os.path.join(scratch, name.replace(" ", "-"))
+            shutil.rmtree(path, ignore_errors=True)
+            os.sync()
+            t = time.perf_counter()
+            saves[name](state, path)
+            save_t[name].append(time.perf_counter() - t)
+            for how in ("cold", "warm"):
+                for v in target.values():
+                    v.zero_()
+                if how == "cold":
+                    drop_caches()
+                t = time.perf_counter()
+                LOADS[name](target, path)
+                load_t[how][name].append(time.perf_counter() - t)
+                bad = [k for k in state if not torch.equal(target[k], state[k])]
+                if bad:
+                    sys.exit(f"FAIL: {name} loaded {bad[0]!r} wrong")
+            shutil.rmtree(path, ignore_errors=True)
+    print(f"{reps} reps, methods rotated; loads {'cold (page cache dropped)' if cold else 'WARM only (cannot drop caches)'}, "
+          "then warm; every load checked")
+    _summary(save_t, "save")
+    _summary(load_t["cold"], "load cold" if cold else "load (1st)")
+    _summary(load_t["warm"], "load warm")
+
+
 def main() -> None:
+    warnings.filterwarnings("ignore", r"torch\.distributed is disabled")
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--tensors", type=int, default=5000)
     ap.add_argument("--numel", type=int, default=4096)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--dir", default=None)
     ap.add_argument("--load-mib", type=int, default=1024, help="size of the load-memory checkpoint (default 1024)")
+    ap.add_argument("--dcp-threads", type=int, default=4, help="FileSystemWriter(thread_count=) of the 'dcp threads' rows")
     args = ap.parse_args()
     scratch = tempfile.mkdtemp(prefix="tensorckpt-bench-small-", dir=args.dir)
     try:
@@ -75,19 +159,7 @@ def main() -> None:
         state = {f"t{i}": torch.randn(args.numel, generator=g) for i in range(args.tensors)}
         nbytes = sum(t.nbytes for t in state.values())
         print(f"{args.tensors} float32 tensors x {args.numel} elements = {nbytes / 1e6:.1f} MB")
-        times = {"tensorckpt": [], "torch.save": []}
-        for _ in range(args.reps):
-            for name, fn in (("tensorckpt", tensorckpt.save), ("torch.save", torch_save)):
-                path = os.path.join(scratch, name)
-                shutil.rmtree(path, ignore_errors=True)
-                os.sync()
-                t = time.perf_counter()
-                fn(state, path)
-                times[name].append(time.perf_counter() - t)
-        med = {k: statistics.median(v) for k, v in times.items()}
-        for k, v in times.items():
-            print(f"save {k:<11} median {med[k]:.3f} s   each: " + " ".join(f"{x:.3f}" for x in v))
-        print(f"save time tensorckpt / torch.save: x{med['tensorckpt'] / med['torch.save']:.2f} (target <= 2)")
+        many(state, scratch, args.reps, args.dcp_threads)
 
         # peak memory of a load: --load-mib in tensors of 4 MiB
         n, numel = max(1, args.load_mib // 4), 1 << 20

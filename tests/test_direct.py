@@ -322,8 +322,9 @@ def test_oversized_index_goes_through_tensorstore(tmp_path, monkeypatch):
     tensorckpt.save(state, path, inner_chunk_bytes=64)  # "a": 256 inner chunks -> a 4 KiB index
     monkeypatch.setattr(direct, "MAX_INDEX_BYTES", 1024)
     used = []
-    real = direct.Pool.read
+    real, batch = direct.Pool.read, direct.Pool.read_batch
     monkeypatch.setattr(direct.Pool, "read", lambda self, key, *a: used.append(key) or real(self, key, *a))
+    monkeypatch.setattr(direct.Pool, "read_batch", lambda self, reads: used.extend(r[0] for r in reads) or batch(self, reads))
     target = {"a": torch.zeros(4096), "b": torch.zeros(100)}
     tensorckpt.load(target, path)
     assert used == ["b"] and torch.equal(target["a"], state["a"]) and torch.equal(target["b"], state["b"])

@@ -41,6 +41,8 @@ from .group import Group
 
 IN_FLIGHT_BYTES = 128 << 20  # reads issued ahead of the oldest unfinished one
 SLAB_BYTES = 32 << 20  # the largest buffer one read fills (targets it cannot fill directly, casts)
+SMALL_BYTES = 256 << 10  # a tensor read straight into its target up to this size joins a batch of reads ...
+BATCH = 64  # ... of at most this many tensors, one job of the reader's threads (direct.Pool.read_batch)
 
 
 class RootMessage(NamedTuple):
@@ -264,6 +266,12 @@ def _read_into(ckpt: StoredArrays, targets: dict[str, tuple[torch.Tensor, Box]],
     pool = backend.chunk_reader(ckpt.read_location, ckpt.path) if len(slow) < len(targets) else None
     pending: collections.deque = collections.deque()
     in_flight, copy_seconds = 0, 0.0
+    batch: list[tuple[str, TensorEntry, Box, np.ndarray, list[str] | None]] = []
+
+    def issue_batch() -> None:
+        if batch and pool is not None:
+            pending.append((None, [pool.read_batch(batch)], 0, None, None, None))
+            batch.clear()
 
     def finish_oldest() -> None:
         nonlocal in_flight, copy_seconds
@@ -294,6 +302,11 @@ def _read_into(ckpt: StoredArrays, targets: dict[str, tuple[torch.Tensor, Box]],
                 t.device.type == "cpu" and not t.requires_grad and not t.is_conj() and not t.is_neg()
                 and dtypes.torch_name(t.dtype) == e.dtype
             )
+            if into and pool is not None and key not in srcs and need <= SMALL_BYTES:
+                batch.append((key, e, box, dtypes.to_numpy(t), ckpt.chunk_digests(key)))
+                if len(batch) >= BATCH:
+                    issue_batch()
+                continue
             parts = [(slice(None), box)] if into else _slabs(e, box, itemsize)
             for rows, part in parts:
                 sub = t if part is box else t[rows]
@@ -315,6 +328,7 @@ def _read_into(ckpt: StoredArrays, targets: dict[str, tuple[torch.Tensor, Box]],
                     futures = [ts.array(dst, copy=False, write=True).write(src)]
                 pending.append((key, futures, held, sub, buf, stored))
                 in_flight += held
+        issue_batch()
         while pending:
             finish_oldest()
     finally:

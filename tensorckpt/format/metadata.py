@@ -98,15 +98,10 @@ class TensorEntry:
     chunk_shape: tuple[int, ...]  # Zarr chunk = shard = one writer's box
     inner_chunk_shape: tuple[int, ...]  # sharding_indexed inner chunk
 
-    @functools.cached_property
+    @property
     def dtype_info(self) -> _dtypes.DType:
-        """The dtype record of ``dtype`` (itemsize, Zarr name, numpy dtype),
-        looked up once per entry."""
+        """The dtype record of ``dtype`` (itemsize, Zarr name, numpy dtype)."""
         return _dtypes.BY_TORCH[self.dtype]
-
-    def __getstate__(self) -> dict[str, object]:
-        """Pickled (sent between ranks) without the cached ``dtype_info``."""
-        return {f.name: getattr(self, f.name) for f in fields(self)}
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -482,7 +477,7 @@ def loads(data: bytes, where: str) -> object:
         doc = json.loads(data.decode("utf-8"), parse_constant=_reject_constant, parse_float=_finite_float)
     except (UnicodeDecodeError, ValueError, RecursionError) as e:
         raise CorruptCheckpointError(f"{where}: not valid UTF-8 JSON ({e})") from None
-    if _depth(doc) > MAX_DEPTH:
+    if data.count(b"[") + data.count(b"{") >= MAX_DEPTH and _depth(doc) > MAX_DEPTH:  # each level opens one
         raise CorruptCheckpointError(f"{where}: JSON nested more than {MAX_DEPTH} levels deep")
     return doc
 

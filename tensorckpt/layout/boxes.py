@@ -15,7 +15,6 @@ import itertools
 import math
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from functools import cached_property
 
 import numpy as np
 
@@ -32,11 +31,11 @@ class Box:
     def full(cls, shape: Sequence[int]) -> Box:
         return cls((0,) * len(shape), tuple(shape))
 
-    @cached_property
+    @property  # not functools.cached_property: in 3.11 its one lock serializes every thread's first access
     def end(self) -> tuple[int, ...]:
         return tuple(o + s for o, s in zip(self.offset, self.shape))
 
-    @cached_property
+    @property
     def numel(self) -> int:
         return math.prod(self.shape)
 

@@ -54,6 +54,8 @@ files, so a link or a FIFO planted as a chunk neither escapes nor blocks.
 
 from __future__ import annotations
 
+import errno
+import functools
 import os
 import stat
 import sys
@@ -67,7 +69,7 @@ import numpy as np
 from ..errors import CheckpointPermissionError, CorruptCheckpointError
 from ..format.metadata import MAX_INNER_CHUNK_BYTES, MAX_SHARD_INDEX_BYTES, TensorEntry
 from ..layout.boxes import Box, chunk_box, read_plan
-from . import codec
+from . import codec, files
 from . import threads as pools
 from .arrays import chunk_key
 from .files import write_durable
@@ -178,7 +180,10 @@ class LocalObjects:
 
     def open(self, rel: str, where: str) -> LocalFile:
         try:
-            fd = os.open(os.path.join(self.root, rel), os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+            fd = files.open_beneath(self.root, rel)  # no link followed: each directory, then the file
+        except files.NotADirectory as e:
+            raise CorruptCheckpointError(
+                f"{where}: {e.args[0]} is not a directory (a link or special file; a writer makes none)") from None
         except FileNotFoundError:
             raise CorruptCheckpointError(f"{where}, is missing") from None
         except PermissionError:
@@ -186,11 +191,13 @@ class LocalObjects:
                 f"{where}, cannot be read: permission denied (the file exists; fix its permissions, or read as its owner)"
             ) from None
         except OSError as err:
+            if err.errno in (errno.ELOOP, errno.ENXIO):  # O_NOFOLLOW met a link; a socket or device
+                raise CorruptCheckpointError(f"{where}, is not a regular file (a link or special file; a writer makes none)") from None
             raise CorruptCheckpointError(f"{where}, cannot be opened ({err.strerror}; a link or unreadable file)") from None
         try:
             st = os.fstat(fd)
             if not stat.S_ISREG(st.st_mode):
-                raise CorruptCheckpointError(f"{where}, is not a regular file (a writer makes only regular files)")
+                raise CorruptCheckpointError(f"{where}, is not a regular file (a FIFO, device or directory; a writer makes none)")
         except BaseException:
             os.close(fd)
             raise
@@ -338,6 +345,23 @@ class Pool:
         self._started += started
         return started
 
+    def read_batch(self, reads: list[tuple[str, TensorEntry, Box, np.ndarray, list[str] | None]]) -> Future:
+        """:meth:`read` of each ``(key, entry, want, dst, digests)`` in turn,
+        as one job on one thread: one future, one hand-off between threads
+        for many small tensors instead of one per object (each costs more
+        than a small object's read)."""
+        if self._pool is None:
+            raise ValueError("this Pool is closed")
+        jobs = [(key, e, p.chunk, want, dst, _digest_of(e, p.chunk, digests))
+                for key, e, want, dst, digests in reads for p in read_plan(e.shape, e.chunk_shape, want)]
+        started = _submit(self._pool, self._run_all, jobs)
+        self._started.append(started)
+        return started
+
+    def _run_all(self, jobs: list[tuple]) -> None:
+        for job in jobs:
+            self._run(*job)
+
     def _run(self, *job: Any) -> None:
         reader = getattr(self._local, "reader", None)
         if reader is None:
@@ -391,6 +415,8 @@ class Reader:
             else:
                 _check_size(obj.size, g, most, where)
                 data_end = obj.size - g.index_bytes
+                if g.count == 1 and self._single(obj, g, pos, want, dst, digest):
+                    return
                 if self.file_order and self._in_file_order(obj, g, pos, want, dst, digest, where):
                     return
                 index = codec.decode_index(g, obj.pread(g.index_bytes, data_end), where)
@@ -398,6 +424,28 @@ class Reader:
             self._read_inner(obj, codec.plan_reads(g, index, data_end, pos, want, per_buf, where), dst, digest)
         finally:
             obj.close()
+
+    def _single(self, obj: Stored, g: codec.Geometry, pos: tuple[int, ...], want: Box, dst: np.ndarray,
+                digest: str | None) -> bool:
+        """Read an object of one inner chunk that ``want`` covers in one call
+        (the common small tensor: no read plan), with every check the general
+        path makes; True once done. False, with nothing written to ``dst``,
+        where it is laid out otherwise or fails a check: the general path
+        then reads it again and names what is wrong."""
+        size = g.encoded + g.index_bytes
+        if obj.size != size or not _covers(g, pos, want):
+            return False
+        raw = obj.pread(size, 0)
+        body = g.encoded - 4
+        if (len(raw) != size or raw[g.encoded:g.encoded + 16] != _one_entry(g.encoded)
+                or codec.crc32c(raw[g.encoded:], 16) != int.from_bytes(raw[-4:], "little")
+                or codec.crc32c(raw, body) != int.from_bytes(raw[body:g.encoded], "little")
+                or (digest is not None and codec.digest_of_crcs(raw[body:g.encoded]) != digest)):
+            return False
+        shard = chunk_box(pos, g.chunk, g.shape)
+        block = np.frombuffer(raw, g.dtype, count=g.numel).reshape(g.inner)
+        dst[shard.relative_to(want).slices()] = block[tuple(slice(0, n) for n in shard.shape)]
+        return True
 
     def _in_file_order(self, obj: Stored, g: codec.Geometry, pos: tuple[int, ...], want: Box, dst: np.ndarray,
                        digest: str | None, where: str) -> bool:
@@ -456,6 +504,12 @@ class Reader:
                 "are intact but belong elsewhere (a chunk swapped or replayed from another tensor, position "
                 "or checkpoint, or its inner chunks reordered)"
             )
+
+
+@functools.lru_cache(maxsize=256)
+def _one_entry(encoded: int) -> bytes:
+    """The index entry of an object's only inner chunk, stored first: offset 0, ``encoded`` bytes."""
+    return (0).to_bytes(8, "little") + encoded.to_bytes(8, "little")
 
 
 def _covers(g: codec.Geometry, pos: tuple[int, ...], want: Box) -> bool:

@@ -6,6 +6,7 @@ in-process writer) and what the async save's helper process does
 
 from __future__ import annotations
 
+import errno
 import os
 from collections.abc import Iterable
 
@@ -32,3 +33,34 @@ def fsync_path(path: str, flags: int = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLO
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC  # a FIFO must not block the open
+
+
+def open_beneath(root: str, rel: str) -> int:
+    """A descriptor of ``root/rel`` opened for reading, each directory below
+    ``root`` opened ``O_NOFOLLOW`` in turn, and the file itself: no link is
+    followed below ``root``. A link on the way raises ``OSError`` ELOOP (or
+    ENOTDIR); :class:`NotADirectory` names a directory on the way that is not one."""
+    parts = rel.split("/")
+    cur = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        for i, part in enumerate(parts[:-1]):
+            try:
+                nxt = os.open(part, DIR_FLAGS, dir_fd=cur)
+            except OSError as e:
+                if e.errno in (errno.ELOOP, errno.ENOTDIR):
+                    raise NotADirectory("/".join(parts[:i + 1])) from None
+                raise
+            os.close(cur)
+            cur = nxt
+        return os.open(parts[-1], READ_FLAGS, dir_fd=cur)
+    finally:
+        os.close(cur)
+
+
+class NotADirectory(Exception):
+    """A component of a path (``args[0]``, relative) that is a link or no directory."""
+

@@ -155,8 +155,7 @@ def read_local(top: int | str, key: str, limit: int, where: str) -> bytes | None
             if not stat.S_ISREG(st.st_mode):
                 raise CorruptCheckpointError(f"{where}: not a regular file (a FIFO, device or directory; a writer makes none)")
             _check_size(st.st_size, limit, where)
-            with os.fdopen(fd, "rb", closefd=False) as f:
-                data = f.read(st.st_size + 1)  # a file that grew past its size is read to its size + 1
+            data = _read_to(fd, st.st_size + 1)  # a file that grew past its size is read to its size + 1
             _check_size(len(data), limit, where)
             return data
         finally:
@@ -164,6 +163,15 @@ def read_local(top: int | str, key: str, limit: int, where: str) -> bytes | None
     finally:
         for d in opened:
             os.close(d)
+
+
+def _read_to(fd: int, most: int) -> bytes:
+    """At most ``most`` bytes of ``fd`` from its offset, fewer at its end."""
+    parts, got = [], 0
+    while got < most and (part := os.read(fd, most - got)):
+        parts.append(part)
+        got += len(part)
+    return b"".join(parts)
 
 
 def read_remote(loc: Location, key: str, limit: int, where: str) -> tuple[object, bytes | None]:

@@ -25,7 +25,9 @@ deletion overlapped raises :class:`CheckpointChangedError`
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
+import functools
 import hashlib
 import itertools
 import math
@@ -42,13 +44,16 @@ from ..errors import CheckpointChangedError, CorruptCheckpointError, TensorckptE
 from ..format.arrays import check_array_metadata, chunk_digests
 from ..format.metadata import MAX_NODE_JSON_BYTES, RootMetadata, TensorEntry, loads
 from ..layout.boxes import Box, chunk_ranges
-from . import arrays, commit, direct, location, pinned
+from . import arrays, commit, direct, location, pinned, threads
 from .backend import backend_for
 
 # A read up to this size is allocated at once; a larger one first checks that
 # the array stores at least that many bytes (version 1 does not compress), so
 # a forged index cannot make a reader allocate out of proportion to the data.
 TRUSTED_READ_BYTES = 64 << 20
+
+META_THREADS = 8  # threads reading array zarr.json documents (local checkpoints) ...
+META_BATCH = 64  # ... in jobs of at most this many
 
 
 def read_object(loc: location.Location, key: str) -> bytes | None:
@@ -203,7 +208,24 @@ class StoredArrays:
         todo = [k for k in keys if k not in self._checked]
         remote = todo and not self._fs and self._backend.kvstore
         store = ts.KvStore.open(self._read.kvstore(), context=location.CONTEXT).result() if remote else None
-        reads = {k: _start_read(self._read, store, f"{k}/zarr.json") for k in todo}
+        relative = self._pin is not None and self._pin.fd is not None  # openat from the pinned directory
+        if relative and len(todo) > 1:  # on threads, in batches: a cold cache reads the documents' inodes at once
+            per = max(1, min(META_BATCH, len(todo) // META_THREADS))
+            with threads.borrowed("meta", META_THREADS) as pool:
+                batches = [pool.submit(self._read_local_batch, todo[i:i + per]) for i in range(0, len(todo), per)]
+                try:
+                    self._check_documents({k: functools.partial(_nth, batches[i // per], i % per) for i, k in enumerate(todo)},
+                                          relative)
+                finally:
+                    for f in batches:
+                        f.cancel()
+                    concurrent.futures.wait(batches)
+            return
+        self._check_documents({k: self._start_local_read(f"{k}/zarr.json") if relative
+                               else _start_read(self._read, store, f"{k}/zarr.json") for k in todo}, relative)
+
+    def _check_documents(self, reads: dict[str, Callable[[], bytes | None]], relative: bool) -> None:
+        """:meth:`check_arrays` of the documents ``reads`` gives (key -> a function giving its bytes)."""
         for k, pending in reads.items():
             where = f"{self.path}/{k}/zarr.json"
             try:
@@ -218,6 +240,24 @@ class StoredArrays:
             if self._meta.checkpoint_id and isinstance(doc, dict):
                 self._digests[k] = chunk_digests(doc, self._meta.tensors[k], self._meta.checkpoint_id, where)
             self._checked.add(k)
+            if relative:  # read_local opened each directory of the key O_NOFOLLOW: none is a link
+                parts = k.split("/")
+                self._plain_dirs.update("/".join(parts[:i]) for i in range(1, len(parts) + 1))
+
+    def _read_local_batch(self, keys: list[str]) -> list[bytes | Exception | None]:
+        """Each array ``zarr.json`` of ``keys`` (or the error reading it), relative to the pinned directory."""
+        out: list[bytes | Exception | None] = []
+        for k in keys:
+            try:
+                out.append(self._start_local_read(f"{k}/zarr.json")())
+            except (OSError, ValueError, CorruptCheckpointError) as e:
+                out.append(e)
+        return out
+
+    def _start_local_read(self, key: str) -> Callable[[], bytes | None]:
+        """Read a small object relative to the pinned directory, each directory opened ``O_NOFOLLOW``."""
+        pin = self._pin
+        return lambda: pin.read(key, MAX_NODE_JSON_BYTES, f"{self.path}/{key}")[1] if pin is not None else None
 
     def _check_digest(self, key: str, data: bytes, where: str) -> None:
         """Since 1.3 (spec 9.8): the array's ``zarr.json`` is the one whose
@@ -247,10 +287,13 @@ class StoredArrays:
         the same way, as the store gives them (:meth:`_check_stored_sizes`),
         unless the read goes through tensorckpt's own codec (``codec``:
         :mod:`.direct`, whose every allocation is bounded by the checked
-        metadata): there nothing is asked of the store beforehand."""
+        metadata): there nothing is asked of the store beforehand, and on a
+        local checkpoint the codec opens each directory and then the object
+        ``O_NOFOLLOW`` (the object ``O_NONBLOCK`` too) and checks what it is
+        itself (:func:`.files.open_beneath`)."""
         self._check_open()
-        if not self._fs and codec:
-            return  # an object store read by the codec: bounded without the sizes
+        if codec:
+            return  # read by the codec: bounded without the sizes; locally it opens no link nor special file
         e = self._meta.tensors[key]
         spans = chunk_ranges(region, e.chunk_shape, e.shape)
         if math.prod(len(s) for s in spans) == 0:
@@ -309,7 +352,10 @@ class StoredArrays:
 
     def _lstat_is(self, rel: str, kind: Callable[[int], bool], key: str) -> os.stat_result | None:
         try:
-            st = os.lstat(os.path.join(self._read.path, rel))
+            if self._pin is not None and self._pin.fd is not None:
+                st = os.lstat(rel, dir_fd=self._pin.fd)  # relative to the pinned directory (no path resolved again)
+            else:
+                st = os.lstat(os.path.join(self._read.path, rel))
         except FileNotFoundError:
             return None  # a missing object is the reader's to report
         except OSError as e:
@@ -357,6 +403,14 @@ class StoredArrays:
                 f"{self.path}/{commit.ROOT_KEY}: tensor {key!r} is {list(e.shape)} {e.dtype}, so reading it needs "
                 f"{nbytes} bytes, but its stored chunks hold only {stored} bytes; not allocating that"
             )
+
+
+def _nth(batch: concurrent.futures.Future, i: int) -> bytes | None:
+    """Item ``i`` of a :meth:`StoredArrays._read_local_batch`, raised if it is an error."""
+    got = batch.result()[i]
+    if isinstance(got, Exception):
+        raise got
+    return got
 
 
 def _start_read(loc: location.Location, store: ts.KvStore | None, key: str) -> Callable[[], bytes | None]:
