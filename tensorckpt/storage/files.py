@@ -1,6 +1,7 @@
-"""One stored object written to a local file and made durable, and one
-fsync of a path: the writes of :class:`.direct.LocalObjects` (the
-in-process writer) and what the async save's helper process does
+"""One stored object written to a local file and made durable, one fsync
+of a path, and one object opened for reading without following a link
+below the checkpoint: the file I/O of :class:`.direct.LocalObjects` (the
+in-process writer and reader) and what the async save's helper process does
 (:mod:`.offload_helper`, which imports nothing heavier than this and
 :mod:`.codec`)."""
 
@@ -63,4 +64,3 @@ def open_beneath(root: str, rel: str) -> int:
 
 class NotADirectory(Exception):
     """A component of a path (``args[0]``, relative) that is a link or no directory."""
-
