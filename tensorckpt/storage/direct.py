@@ -340,8 +340,7 @@ class Pool:
         C order of the grid): an object read whole is checked against its own."""
         if self._pool is None:
             raise ValueError("this Pool is closed")
-        started = [_submit(self._pool, self._run, key, entry, p.chunk, want, dst, _digest_of(entry, p.chunk, digests))
-                   for p in read_plan(entry.shape, entry.chunk_shape, want)]
+        started = [_submit(self._pool, self._run, *job) for job in _jobs(key, entry, want, dst, digests)]
         self._started += started
         return started
 
@@ -352,8 +351,7 @@ class Pool:
         than a small object's read)."""
         if self._pool is None:
             raise ValueError("this Pool is closed")
-        jobs = [(key, e, p.chunk, want, dst, _digest_of(e, p.chunk, digests))
-                for key, e, want, dst, digests in reads for p in read_plan(e.shape, e.chunk_shape, want)]
+        jobs = [job for read in reads for job in _jobs(*read)]
         started = _submit(self._pool, self._run_all, jobs)
         self._started.append(started)
         return started
@@ -437,10 +435,11 @@ class Reader:
             return False
         raw = obj.pread(size, 0)
         body = g.encoded - 4
+        stored = raw[body:g.encoded]  # the inner chunk's CRC-32C
         if (len(raw) != size or raw[g.encoded:g.encoded + 16] != _one_entry(g.encoded)
                 or codec.crc32c(raw[g.encoded:], 16) != int.from_bytes(raw[-4:], "little")
-                or codec.crc32c(raw, body) != int.from_bytes(raw[body:g.encoded], "little")
-                or (digest is not None and codec.digest_of_crcs(raw[body:g.encoded]) != digest)):
+                or codec.crc32c(raw, body) != int.from_bytes(stored, "little")
+                or (digest is not None and codec.digest_of_crcs(stored) != digest)):
             return False
         shard = chunk_box(pos, g.chunk, g.shape)
         block = np.frombuffer(raw, g.dtype, count=g.numel).reshape(g.inner)
@@ -504,6 +503,12 @@ class Reader:
                 "are intact but belong elsewhere (a chunk swapped or replayed from another tensor, position "
                 "or checkpoint, or its inner chunks reordered)"
             )
+
+
+def _jobs(key: str, entry: TensorEntry, want: Box, dst: np.ndarray, digests: list[str] | None) -> list[tuple]:
+    """:meth:`Reader.read_object`'s arguments for each stored object ``want`` overlaps."""
+    return [(key, entry, p.chunk, want, dst, _digest_of(entry, p.chunk, digests))
+            for p in read_plan(entry.shape, entry.chunk_shape, want)]
 
 
 @functools.lru_cache(maxsize=256)

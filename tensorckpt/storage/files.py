@@ -40,26 +40,30 @@ DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC  # a FIFO must not block the open
 
 
-def open_beneath(root: str, rel: str) -> int:
-    """A descriptor of ``root/rel`` opened for reading, each directory below
-    ``root`` opened ``O_NOFOLLOW`` in turn, and the file itself: no link is
-    followed below ``root``. A link on the way raises ``OSError`` ELOOP (or
-    ENOTDIR); :class:`NotADirectory` names a directory on the way that is not one."""
+def open_beneath(top: int | str, rel: str) -> int:
+    """A descriptor of ``rel`` under the directory ``top`` (a descriptor,
+    kept open, or a path, which may itself be a link) opened for reading,
+    each directory below ``top`` opened ``O_NOFOLLOW`` in turn, then the file
+    (``O_NONBLOCK`` too): no link is followed below ``top``. A directory on
+    the way that is a link or none raises :class:`NotADirectory`; the file's
+    own open raises its ``OSError`` (ELOOP: a link)."""
     parts = rel.split("/")
-    cur = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    cur = os.open(top, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC) if isinstance(top, str) else top
     try:
         for i, part in enumerate(parts[:-1]):
             try:
                 nxt = os.open(part, DIR_FLAGS, dir_fd=cur)
             except OSError as e:
-                if e.errno in (errno.ELOOP, errno.ENOTDIR):
+                if e.errno in (errno.ELOOP, errno.ENOTDIR, errno.ENXIO):
                     raise NotADirectory("/".join(parts[:i + 1])) from None
                 raise
-            os.close(cur)
+            if cur is not top:
+                os.close(cur)
             cur = nxt
         return os.open(parts[-1], READ_FLAGS, dir_fd=cur)
     finally:
-        os.close(cur)
+        if cur is not top:
+            os.close(cur)
 
 
 class NotADirectory(Exception):

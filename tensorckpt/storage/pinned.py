@@ -30,10 +30,10 @@ import tensorstore as ts
 from ..errors import CorruptCheckpointError
 from . import kv, location
 from .backend import backend_for
+from .files import NotADirectory, open_beneath
 from .location import Location
 
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC
-_FILE_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 _NOT_PLAIN = (errno.ELOOP, errno.ENOTDIR, errno.ENXIO)
 
 
@@ -121,48 +121,30 @@ class Pin:
 
 def read_local(top: int | str, key: str, limit: int, where: str) -> bytes | None:
     """Read ``key`` under the directory ``top`` (a descriptor or a path),
-    opening every component without following links."""
-    parts = key.split("/")
-    own = isinstance(top, str)
-    cur: int = os.open(top, _DIR_FLAGS) if isinstance(top, str) else top
-    opened: list[int] = [cur] if own else []
+    opening every component without following links (:func:`.files.open_beneath`)."""
     try:
-        for i, part in enumerate(parts[:-1]):
-            try:
-                cur = os.open(part, _DIR_FLAGS | os.O_NOFOLLOW, dir_fd=cur)
-            except FileNotFoundError:
-                return None
-            except OSError as e:
-                if e.errno in _NOT_PLAIN:
-                    raise CorruptCheckpointError(
-                        f"{where}: {'/'.join(parts[:i + 1])} is not a directory (a link or special file; "
-                        "a writer makes none): refused"
-                    ) from None
-                raise
-            opened.append(cur)
-        try:
-            fd = os.open(parts[-1], _FILE_FLAGS, dir_fd=cur)
-        except FileNotFoundError:
-            return None
-        except OSError as e:
-            if e.errno in _NOT_PLAIN:
-                raise CorruptCheckpointError(f"{where}: not a regular file (a link or special file; a writer makes none)") from None
-            if e.errno == errno.EISDIR:
-                raise CorruptCheckpointError(f"{where}: a directory, not a regular file") from None
-            raise
-        try:
-            st = os.fstat(fd)
-            if not stat.S_ISREG(st.st_mode):
-                raise CorruptCheckpointError(f"{where}: not a regular file (a FIFO, device or directory; a writer makes none)")
-            _check_size(st.st_size, limit, where)
-            data = _read_to(fd, st.st_size + 1)  # a file that grew past its size is read to its size + 1
-            _check_size(len(data), limit, where)
-            return data
-        finally:
-            os.close(fd)
+        fd = open_beneath(top, key)
+    except FileNotFoundError:
+        return None
+    except NotADirectory as e:
+        raise CorruptCheckpointError(
+            f"{where}: {e.args[0]} is not a directory (a link or special file; a writer makes none): refused") from None
+    except OSError as e:
+        if e.errno in _NOT_PLAIN:
+            raise CorruptCheckpointError(f"{where}: not a regular file (a link or special file; a writer makes none)") from None
+        if e.errno == errno.EISDIR:
+            raise CorruptCheckpointError(f"{where}: a directory, not a regular file") from None
+        raise
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise CorruptCheckpointError(f"{where}: not a regular file (a FIFO, device or directory; a writer makes none)")
+        _check_size(st.st_size, limit, where)
+        data = _read_to(fd, st.st_size + 1)  # a file that grew past its size is read to its size + 1
+        _check_size(len(data), limit, where)
+        return data
     finally:
-        for d in opened:
-            os.close(d)
+        os.close(fd)
 
 
 def _read_to(fd: int, most: int) -> bytes:

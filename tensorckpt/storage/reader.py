@@ -46,6 +46,7 @@ from ..format.metadata import MAX_NODE_JSON_BYTES, RootMetadata, TensorEntry, lo
 from ..layout.boxes import Box, chunk_ranges
 from . import arrays, commit, direct, location, pinned, threads
 from .backend import backend_for
+from .pinned import Pin
 
 # A read up to this size is allocated at once; a larger one first checks that
 # the array stores at least that many bytes (version 1 does not compress), so
@@ -208,23 +209,22 @@ class StoredArrays:
         todo = [k for k in keys if k not in self._checked]
         remote = todo and not self._fs and self._backend.kvstore
         store = ts.KvStore.open(self._read.kvstore(), context=location.CONTEXT).result() if remote else None
-        relative = self._pin is not None and self._pin.fd is not None  # openat from the pinned directory
-        if relative and len(todo) > 1:  # on threads, in batches: a cold cache reads the documents' inodes at once
+        pin = self._pin if self._pin is not None and self._pin.fd is not None else None  # openat from its directory
+        if pin is not None and len(todo) > 1:  # on threads, in batches: a cold cache reads the documents' inodes at once
             per = max(1, min(META_BATCH, len(todo) // META_THREADS))
             with threads.borrowed("meta", META_THREADS) as pool:
-                batches = [pool.submit(self._read_local_batch, todo[i:i + per]) for i in range(0, len(todo), per)]
+                batches = [pool.submit(self._read_local_batch, pin, todo[i:i + per]) for i in range(0, len(todo), per)]
                 try:
-                    self._check_documents({k: functools.partial(_nth, batches[i // per], i % per) for i, k in enumerate(todo)},
-                                          relative)
+                    self._check_documents({k: functools.partial(_nth, batches[i // per], i % per) for i, k in enumerate(todo)})
                 finally:
                     for f in batches:
                         f.cancel()
                     concurrent.futures.wait(batches)
             return
-        self._check_documents({k: self._start_local_read(f"{k}/zarr.json") if relative
-                               else _start_read(self._read, store, f"{k}/zarr.json") for k in todo}, relative)
+        self._check_documents({k: functools.partial(self._read_local, pin, f"{k}/zarr.json") if pin is not None
+                               else _start_read(self._read, store, f"{k}/zarr.json") for k in todo})
 
-    def _check_documents(self, reads: dict[str, Callable[[], bytes | None]], relative: bool) -> None:
+    def _check_documents(self, reads: dict[str, Callable[[], bytes | None]]) -> None:
         """:meth:`check_arrays` of the documents ``reads`` gives (key -> a function giving its bytes)."""
         for k, pending in reads.items():
             where = f"{self.path}/{k}/zarr.json"
@@ -240,24 +240,20 @@ class StoredArrays:
             if self._meta.checkpoint_id and isinstance(doc, dict):
                 self._digests[k] = chunk_digests(doc, self._meta.tensors[k], self._meta.checkpoint_id, where)
             self._checked.add(k)
-            if relative:  # read_local opened each directory of the key O_NOFOLLOW: none is a link
-                parts = k.split("/")
-                self._plain_dirs.update("/".join(parts[:i]) for i in range(1, len(parts) + 1))
 
-    def _read_local_batch(self, keys: list[str]) -> list[bytes | Exception | None]:
+    def _read_local_batch(self, pin: Pin, keys: list[str]) -> list[bytes | Exception | None]:
         """Each array ``zarr.json`` of ``keys`` (or the error reading it), relative to the pinned directory."""
         out: list[bytes | Exception | None] = []
         for k in keys:
             try:
-                out.append(self._start_local_read(f"{k}/zarr.json")())
+                out.append(self._read_local(pin, f"{k}/zarr.json"))
             except (OSError, ValueError, CorruptCheckpointError) as e:
                 out.append(e)
         return out
 
-    def _start_local_read(self, key: str) -> Callable[[], bytes | None]:
-        """Read a small object relative to the pinned directory, each directory opened ``O_NOFOLLOW``."""
-        pin = self._pin
-        return lambda: pin.read(key, MAX_NODE_JSON_BYTES, f"{self.path}/{key}")[1] if pin is not None else None
+    def _read_local(self, pin: Pin, key: str) -> bytes | None:
+        """A small object, relative to ``pin``'s directory (each directory opened ``O_NOFOLLOW``)."""
+        return pin.read(key, MAX_NODE_JSON_BYTES, f"{self.path}/{key}")[1]
 
     def _check_digest(self, key: str, data: bytes, where: str) -> None:
         """Since 1.3 (spec 9.8): the array's ``zarr.json`` is the one whose
@@ -352,10 +348,7 @@ class StoredArrays:
 
     def _lstat_is(self, rel: str, kind: Callable[[int], bool], key: str) -> os.stat_result | None:
         try:
-            if self._pin is not None and self._pin.fd is not None:
-                st = os.lstat(rel, dir_fd=self._pin.fd)  # relative to the pinned directory (no path resolved again)
-            else:
-                st = os.lstat(os.path.join(self._read.path, rel))
+            st = os.lstat(os.path.join(self._read.path, rel))
         except FileNotFoundError:
             return None  # a missing object is the reader's to report
         except OSError as e:
