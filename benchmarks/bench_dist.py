@@ -12,6 +12,11 @@ function of each element's global index, so every load is checked exactly.
 World 2, each rep, round-robin:
   raw          each rank writes its local bytes to one file, fsync (the write
                limit); then reads them back from a dropped page cache
+  raw objects  the same bytes as tensorckpt stores them: one file per tensor
+               per rank in a directory of its own (KEY/c/RANK), written on 4
+               threads, each file and directory fsync'd; read back cold on 4
+               threads (the floor of any format with an object per tensor
+               and writer: no encoding, no checksum, no copy)
   copy         each rank copies its local state into preallocated memory
                (the floor for a training stall)
   dcp          dcp.save; dcp.async_save (stall = until it returns; durable =
@@ -28,7 +33,9 @@ World 2, each rep, round-robin:
   second (steady state, as a training loop sees it) are reported apart; the
   sync save runs before them in even reps and after them in odd ones.
 World 3, each rep: load the world-2 checkpoints as Shard(1) DTensors (the
-resharding a user hits after a failure), page cache dropped before each load.
+resharding a user hits after a failure), page cache dropped before each load;
+and a raw read of the whole state by 3 processes (the world-2 raw objects, a
+third of the files each, cold): the read limit with 3 readers on this machine.
 
 A phase's time is the slowest rank's, between barriers. GB/s are 1e9 bytes of
 tensor data (the whole state) per second. Saves are durable before the clock
@@ -170,14 +177,16 @@ def local_bytes(tree: dict) -> int:
 class Phases:
     """Times of phases run by every rank between barriers; the slowest rank's."""
 
-    def __init__(self, rank: int) -> None:
-        self.rank, self.times, self.extra = rank, {}, {}
+    def __init__(self, rank: int, settle_s: float = 0.0) -> None:
+        self.rank, self.times, self.extra, self.settle_s = rank, {}, {}, settle_s
 
-    def run(self, name: str, fn, *, cold: bool = False):
+    def run(self, name: str, fn, *, cold: bool = False, settle: bool = False):
         import torch.distributed as dist
 
         if cold and self.rank == 0:
             self.extra["drop_caches_error"] = drop_caches()
+        if settle and self.settle_s:
+            time.sleep(self.settle_s)  # the disk finishes what earlier phases left it
         dist.barrier()
         t = time.perf_counter()
         out = fn()
@@ -185,6 +194,44 @@ class Phases:
         dist.all_reduce(mine, op=dist.ReduceOp.MAX)
         self.times.setdefault(name, []).append(mine.item())
         return out
+
+
+def fsync_path(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def raw_objects_write(root: str, rank: int, tensors: list) -> None:
+    """One file per tensor, ROOT/k{i}/c/RANK, like tensorckpt's stored objects;
+    every file and every directory that gained an entry fsync'd."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    def one(i: int) -> list[str]:
+        d = os.path.join(root, f"k{i}", "c")
+        os.makedirs(d, exist_ok=True)
+        with open(os.path.join(d, str(rank)), "wb") as f:
+            f.write(memoryview(tensors[i].numpy()).cast("B"))
+            f.flush()
+            os.fsync(f.fileno())
+        return [d, os.path.dirname(d)]
+
+    with ThreadPoolExecutor(4) as pool:
+        dirs = {d for ds in pool.map(one, range(len(tensors))) for d in ds}
+        list(pool.map(fsync_path, [*dirs, root]))
+
+
+def raw_objects_read(paths: list[str], bufs: list) -> None:
+    from concurrent.futures import ThreadPoolExecutor
+
+    def one(i: int) -> None:
+        with open(paths[i], "rb", buffering=0) as f:
+            f.readinto(memoryview(bufs[i].numpy()).cast("B"))
+
+    with ThreadPoolExecutor(4) as pool:
+        list(pool.map(one, range(len(paths))))
 
 
 def dcp_async(state, path, timings):
@@ -287,7 +334,7 @@ def worker_save(rank: int, world: int, args, scratch: str) -> dict:
     state = dstate(keys, mesh, 0, fill=True)
     target = dstate(keys, mesh, 0, fill=False)
     nbytes = local_bytes(state)
-    ph = Phases(rank)
+    ph = Phases(rank, args.settle_s)
     flat_local = [t.to_local() for k, t in leaves(state) if k != "step"]
     pre = [torch.empty_like(t) for t in flat_local]
     raw_buf = torch.empty(nbytes // 4)
@@ -316,23 +363,34 @@ def worker_save(rank: int, world: int, args, scratch: str) -> dict:
             with open(raw, "rb", buffering=0) as f:
                 f.readinto(memoryview(raw_buf.numpy()).cast("B"))
 
-        ph.run("raw save", raw_write)
+        ph.run("raw save", raw_write, settle=True)
         ph.run("raw load", raw_read, cold=True)
         os.remove(raw)
+        objects = os.path.join(scratch, f"objects{rep}")
+        if rank == 0:
+            os.makedirs(objects)
+        dist.barrier()
+        ph.run("raw objects save", lambda: raw_objects_write(objects, rank, flat_local), settle=True)
+        paths = [os.path.join(objects, f"k{i}", "c", str(rank)) for i in range(len(flat_local))]
+        ph.run("raw objects load", lambda: raw_objects_read(paths, pre), cold=True)
+        dist.barrier()
+        if rank == 0 and rep > 0:
+            shutil.rmtree(os.path.join(scratch, f"objects{rep - 1}"), ignore_errors=True)
         ph.run("copy (stall floor)", lambda: [p.copy_(t) for p, t in zip(pre, flat_local)])
 
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            saves_then_async(rep, lambda: ph.run("dcp save", lambda: dcp.save(state, checkpoint_id=f"{base}/dcp")),
+            saves_then_async(rep, lambda: ph.run("dcp save", lambda: dcp.save(state, checkpoint_id=f"{base}/dcp"),
+                                                               settle=True),
                              lambda i, timings: ph.run(f"dcp async durable #{i + 1}",
-                                                       lambda: dcp_async(state, f"{base}/dcp_a{i}", timings)),
+                                                       lambda: dcp_async(state, f"{base}/dcp_a{i}", timings), settle=True),
                              stalls["dcp"])
             if args.dcp_best:
                 saves_then_async(rep, lambda: ph.run("dcp best save",
-                                                     lambda: dcp_best_save(state, f"{base}/dcpb", threads)),
+                                                     lambda: dcp_best_save(state, f"{base}/dcpb", threads), settle=True),
                                  lambda i, timings: ph.run(f"dcp best async durable #{i + 1}",
                                                            lambda: dcp_best_async(state, f"{base}/dcpb_a{i}", timings,
-                                                                                  threads)),
+                                                                                  threads), settle=True),
                                  stalls["dcp best"])
             zero(target)
             ph.run("dcp load", lambda: dcp.load(target, checkpoint_id=f"{base}/dcp"), cold=True)
@@ -342,9 +400,9 @@ def worker_save(rank: int, world: int, args, scratch: str) -> dict:
                 ph.run("dcp best load", lambda: dcp.load(target, checkpoint_id=f"{base}/dcpb"), cold=True)
                 check(target, keys, "dcp best load")
 
-        saves_then_async(rep, lambda: ph.run("tensorckpt save", lambda: tensorckpt.save(state, f"{base}/tc")),
+        saves_then_async(rep, lambda: ph.run("tensorckpt save", lambda: tensorckpt.save(state, f"{base}/tc"), settle=True),
                          lambda i, timings: ph.run(f"tensorckpt async durable #{i + 1}",
-                                                   lambda: tc_async(state, f"{base}/tc_a{i}", timings)),
+                                                   lambda: tc_async(state, f"{base}/tc_a{i}", timings), settle=True),
                          stalls["tensorckpt"])
         zero(target)
         stats = tensorckpt.LoadStats()
@@ -373,7 +431,13 @@ def worker_load(rank: int, world: int, args, scratch: str) -> dict:
     ph = Phases(rank)
     base = os.path.join(scratch, f"r{args.reps - 1}")
     amplification = []
+    # the world-2 raw objects of the last rep, a third of the files to each rank
+    objects = os.path.join(scratch, f"objects{args.reps - 1}")
+    files = sorted(os.path.join(objects, k, "c", r) for k in os.listdir(objects)
+                   for r in os.listdir(os.path.join(objects, k, "c")))[rank::world]
+    bufs = [torch.empty(os.path.getsize(f) // 4) for f in files]
     for _ in range(args.reps):
+        ph.run("raw objects load world 3", lambda: raw_objects_read(files, bufs), cold=True)
         zero(target)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
@@ -437,12 +501,16 @@ def main() -> None:
                     help="FileSystemWriter thread counts tried for DCP's best row (the fastest is used)")
     ap.add_argument("--no-dcp-best", dest="dcp_best", action="store_false",
                     help="skip DCP's best-settings rows (quicker; the test suite's default case)")
+    ap.add_argument("--settle-s", type=float, default=0.0,
+                    help="idle seconds before every timed save (default 0: back to back; a training job's saves "
+                         "are minutes apart, while on a VM a save that follows another pays for its write-back)")
     args = ap.parse_args()
 
     keys = logical_keys(int(args.size_gib * 2**30))
     nbytes = sum(math.prod(s) * 4 for s in keys.values())
     print(f"state: {len(keys)} fp32 tensors (model + Adam moments), {nbytes / 2**30:.3f} GiB; "
-          f"save world 2 Shard(0), reshard load world 3 Shard(1); {args.reps} reps", flush=True)
+          f"save world 2 Shard(0), reshard load world 3 Shard(1); {args.reps} reps; "
+          f"{args.settle_s:g} s idle before each save", flush=True)
     scratch = tempfile.mkdtemp(prefix="tensorckpt-bench-dist-", dir=args.dir)
     try:
         t = time.perf_counter()
@@ -481,6 +549,14 @@ def main() -> None:
         "reshard load: tensorckpt / dcp (throughput)": med["dcp load reshard"] / med["tensorckpt load reshard"],
         "reshard load: tensorckpt / raw cold read": med["raw load"] / med["tensorckpt load reshard"],
         "load: tensorckpt / raw cold read": med["raw load"] / med["tensorckpt load"],
+        "save: tensorckpt / raw objects write": med["raw objects save"] / med["tensorckpt save"],
+        "load: tensorckpt / raw objects read": med["raw objects load"] / med["tensorckpt load"],
+        "load: raw objects read / dcp (the object-count bound)": med["dcp load"] / med["raw objects load"],
+        "save: raw objects write / raw write (the object-count bound)": med["raw save"] / med["raw objects save"],
+        "reshard load: tensorckpt / raw read world 3":
+            med["raw objects load world 3"] / med["tensorckpt load reshard"],
+        "reshard bound: raw cold read / (raw read world 3 x amplification)":
+            med["raw load"] / (med["raw objects load world 3"] * amp_reshard),
         "steady stall: tensorckpt / dcp": stall["tensorckpt"][1] / stall["dcp"][1],
         "steady stall: tensorckpt / copy floor": stall["tensorckpt"][1] / med["copy (stall floor)"],
         "first stall: tensorckpt / dcp": stall["tensorckpt"][0] / stall["dcp"][0],
@@ -496,9 +572,9 @@ def main() -> None:
         }
     print()
     for k, v in ratios.items():
-        print(f"{k:<50} x{v:.2f}")
+        print(f"{k:<66} x{v:.2f}")
     report = {
-        "benchmark": "bench_dist", "size_bytes": nbytes, "tensors": len(keys), "reps": args.reps,
+        "benchmark": "bench_dist", "size_bytes": nbytes, "tensors": len(keys), "reps": args.reps, "settle_s": args.settle_s,
         "cold_loads": drop is None, "dcp_best_threads": saved[0]["extra"]["dcp_best_threads"], "times_s": times, "medians_s": med, "stalls_s": stall,
         "read_amplification": {"same_layout": amp_same, "reshard": amp_reshard}, "ratios": ratios,
         "versions": {"python": platform.python_version(), "torch": torch.__version__,

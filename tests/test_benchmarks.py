@@ -15,12 +15,17 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CASES = {
     "bench_single": ["--size-gib", "0.01", "--reps", "1", "--d-model", "64"],
     "bench_small": ["--tensors", "50", "--numel", "64", "--reps", "1", "--load-mib", "8"],
-    "bench_dist": ["--size-gib", "0.03", "--reps", "1", "--no-dcp-best"],
+    "bench_dist": ["--size-gib", "0.03", "--reps", "1", "--no-dcp-best", "--settle-s", "0.05"],
     "bench_background": ["--size-gib", "0.01", "--reps", "1", "--baseline-s", "0.3", "--savers", "tensorckpt,dcp thread"],
     "bench_plan_scale": ["--ranks", "64", "128", "--layers", "2"],
     "bench_load_path": ["--size-gib", "0.02", "--reps", "1", "--procs", "2", "--rows"],
     "bench_durable": ["--small-kib", "4", "--large-mib", "2", "--reps", "1", "--large-reps", "1", "--many", "20", "--noise-mib", "16",
                       "--noise-warmup-s", "0.2"],
+}
+
+ROWS = {  # rows a script must print: the bounds notes quote
+    "bench_dist": ["raw objects save", "raw objects load world 3", "(the object-count bound)",
+                   "reshard bound: raw cold read / (raw read world 3 x amplification)"],
 }
 
 
@@ -32,6 +37,8 @@ def test_benchmark_runs(name, tmp_path):
     r = subprocess.run(args, capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     assert "FAIL" not in r.stdout
+    for row in ROWS.get(name, []):
+        assert row in r.stdout, (row, r.stdout[-3000:])
 
 
 def test_bench_s3_runs_and_checks_its_loads(tmp_path):
