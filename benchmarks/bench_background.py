@@ -17,9 +17,11 @@ Python-heavy step: ``--ops`` tiny torch ops per step on one thread
 
 Reported per saver: the mean step time during the drain (what training
 loses: the drain's wall time over its steps) and its 90th percentile, each
-over the baseline's median step, medians over the repetitions; and the time
-to durable. One process; a
-process group of one (gloo) so every DCP mode runs as it would in a job.
+over the baseline's median step, medians over the repetitions; the time
+to durable; and the training time lost per save (its stall plus what its
+steps took beyond the baseline's: a slow drain at a small slowdown can cost
+more than a fast one at a larger). One process; a process group of one
+(gloo) so every DCP mode runs as it would in a job.
 """
 
 from __future__ import annotations
@@ -148,7 +150,8 @@ def main() -> int:
     unknown = set(names) - set(SAVERS)
     if unknown:
         raise SystemExit(f"--savers: unknown {sorted(unknown)}; known: {list(SAVERS)}")
-    res: dict[str, dict[str, list[float]]] = {n: {"mean": [], "p90": [], "stall": [], "durable": []} for n in names}
+    res: dict[str, dict[str, list[float]]] = {n: {"mean": [], "p90": [], "stall": [], "durable": [], "lost": []}
+                                          for n in names}
     base_all: list[float] = []
     try:
         with warnings.catch_warnings():
@@ -173,6 +176,8 @@ def main() -> int:
                     res[name]["p90"].append(sorted(steps)[int(0.9 * (len(steps) - 1))] / base)
                     res[name]["stall"].append(stall)
                     res[name]["durable"].append(durable)
+                    # the training time the save cost: its stall, then what its steps took beyond the baseline's
+                    res[name]["lost"].append(stall + sum(steps) - len(steps) * base)
                     shutil.rmtree(path, ignore_errors=True)
     finally:
         for name in names:
@@ -183,11 +188,12 @@ def main() -> int:
 
     print(f"\nbaseline step: median {statistics.median(base_all) * 1e3:.2f} ms "
           f"(range {min(base_all) * 1e3:.2f}-{max(base_all) * 1e3:.2f})\n")
-    print(f"{'saver':<20}{'step x base (mean)':>19}{'p90 x base':>12}{'stall s':>9}{'durable s':>11}   ranges")
+    print(f"{'saver':<20}{'step x base (mean)':>19}{'p90 x base':>12}{'stall s':>9}{'durable s':>11}{'lost s':>8}"
+          "   ranges")
     med = {n: {k: statistics.median(v) for k, v in r.items()} for n, r in res.items()}
     for n in names:
         m, r = med[n], res[n]
-        print(f"{n:<20}{m['mean']:>19.2f}{m['p90']:>12.2f}{m['stall']:>9.3f}{m['durable']:>11.2f}   "
+        print(f"{n:<20}{m['mean']:>19.2f}{m['p90']:>12.2f}{m['stall']:>9.3f}{m['durable']:>11.2f}{m['lost']:>8.2f}   "
               f"step {min(r['mean']):.2f}-{max(r['mean']):.2f}, durable {min(r['durable']):.2f}-"
               f"{max(r['durable']):.2f}")
     print()
@@ -195,6 +201,9 @@ def main() -> int:
     for mine in ours:
         for peer in [n for n in names if n not in ours]:
             print(f"mean step during the save: {mine:<18} / {peer:<12} x{med[mine]['mean'] / med[peer]['mean']:.2f}")
+    for mine in ours:
+        for peer in [n for n in names if n not in ours]:
+            print(f"training time lost per save: {mine:<18} / {peer:<12} x{med[mine]['lost'] / med[peer]['lost']:.2f}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"benchmark": "bench_background", "size_bytes": nbytes, "ops": args.ops, "reps": args.reps,
