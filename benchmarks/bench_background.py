@@ -198,12 +198,10 @@ def main() -> int:
               f"{max(r['durable']):.2f}")
     print()
     ours = [n for n in names if n.startswith("tensorckpt")]
-    for mine in ours:
-        for peer in [n for n in names if n not in ours]:
-            print(f"mean step during the save: {mine:<18} / {peer:<12} x{med[mine]['mean'] / med[peer]['mean']:.2f}")
-    for mine in ours:
-        for peer in [n for n in names if n not in ours]:
-            print(f"training time lost per save: {mine:<18} / {peer:<12} x{med[mine]['lost'] / med[peer]['lost']:.2f}")
+    for what, k in (("mean step during the save", "mean"), ("training time lost per save", "lost")):
+        for mine in ours:
+            for peer in [n for n in names if n not in ours]:
+                print(f"{what}: {mine:<18} / {peer:<12} x{med[mine][k] / med[peer][k]:.2f}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"benchmark": "bench_background", "size_bytes": nbytes, "ops": args.ops, "reps": args.reps,

@@ -62,7 +62,7 @@ import torch
 import torch.multiprocessing as mp
 
 import tensorckpt
-from common import drop_caches
+from common import drop_caches, fsync_path
 
 D_MODEL = 1024
 VOCAB = 30720  # divisible by 2 and 3 (so is the small runs' 1536)
@@ -194,14 +194,6 @@ class Phases:
         dist.all_reduce(mine, op=dist.ReduceOp.MAX)
         self.times.setdefault(name, []).append(mine.item())
         return out
-
-
-def fsync_path(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def raw_objects_write(root: str, rank: int, tensors: list) -> None:

@@ -46,6 +46,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 import tensorckpt
+from common import fsync_path
 from tensorckpt.storage import kv
 
 METHODS = ("torch.save", "tensorckpt", "syncfs", "dcp")
@@ -66,14 +67,6 @@ def state(total_bytes: int, parts: int) -> dict[str, torch.Tensor]:
     return {f"layer{i}.w": torch.randn(max(2, n // cols), cols) for i in range(parts)}
 
 
-def _fsync(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def torch_save(tensors: dict, path: str, rank: int, barrier) -> None:
     if rank == 0:
         os.makedirs(path)
@@ -82,9 +75,9 @@ def torch_save(tensors: dict, path: str, rank: int, barrier) -> None:
         torch.save({k: v.to_local() if hasattr(v, "to_local") else v for k, v in tensors.items()}, f)
         f.flush()
         os.fsync(f.fileno())
-    _fsync(path)
+    fsync_path(path)
     if rank == 0:
-        _fsync(os.path.dirname(path))
+        fsync_path(os.path.dirname(path))
 
 
 def tc_syncfs(tensors: dict, path: str) -> None:

@@ -19,6 +19,15 @@ def drop_caches() -> str | None:
         return f"{type(e).__name__}: {e}"
 
 
+def fsync_path(path: str) -> None:
+    """fsync a file or directory by its path."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def torch_save(state, path) -> None:
     """torch.save into ``path/ckpt.pt``, durable: fsync of the file and of
     the new directory entry."""
@@ -27,8 +36,4 @@ def torch_save(state, path) -> None:
         torch.save(state, f)
         f.flush()
         os.fsync(f.fileno())
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    fsync_path(path)
