@@ -160,17 +160,24 @@ def geometry_of(shape: tuple[int, ...], chunk: tuple[int, ...], inner: tuple[int
 # ------------------------------------------------------------------ encoding
 
 
-def encode(g: Geometry, data: np.ndarray, buf: np.ndarray, digest: Digest | None = None) -> Iterator[memoryview]:
+def encode(g: Geometry, data: np.ndarray, buf: np.ndarray, digest: Digest | None = None,
+           align: int = 1) -> Iterator[memoryview]:
     """The stored object of one chunk, as views of ``buf`` (a uint8 array of
-    at least ``g.encoded`` bytes; each view is valid until the next one is
-    asked for), the index last. ``data`` holds the chunk's elements: its box
-    clipped to the array, any strides. Inner chunks wholly outside the array
-    are not stored (their index entry is empty); the rest of an edge inner
-    chunk is the zero fill value."""
+    at least ``g.encoded`` bytes, ``align + g.encoded`` with ``align``; each
+    view is valid until the next one is asked for), the index last. ``data``
+    holds the chunk's elements: its box clipped to the array, any strides.
+    Inner chunks wholly outside the array are not stored (their index entry
+    is empty); the rest of an edge inner chunk is the zero fill value.
+
+    ``align``: every view but the last two (the data's last bytes past a
+    multiple of ``align``, the index) starts at ``buf``'s start and is a
+    multiple of ``align`` bytes long (the bytes past the last multiple move
+    to the buffer's start and go out with the next view), so with ``buf`` page-aligned a writer can hand all but
+    the object's end to ``O_DIRECT`` (:func:`.files.write_durable`)."""
     if data.ndim != len(g.chunk) or any(n > c for n, c in zip(data.shape, g.chunk)):
         raise ValueError(f"a chunk of shape {g.chunk} cannot hold elements of shape {data.shape}")
-    if len(buf) < g.encoded:
-        raise ValueError(f"a buffer of {len(buf)} bytes cannot hold an inner chunk of {g.encoded}")
+    if len(buf) < g.encoded + (align if align > 1 else 0):
+        raise ValueError(f"a buffer of {len(buf)} bytes cannot hold an inner chunk of {g.encoded} (aligned to {align})")
     inner, encoded, body = g.inner, g.encoded, g.encoded - 4
     view, used, offset = buf.data, 0, 0
     native = crc32c_at
@@ -200,12 +207,24 @@ def encode(g: Geometry, data: np.ndarray, buf: np.ndarray, digest: Digest | None
         index[j] = (offset, encoded)
         used, offset = used + encoded, offset + encoded
         if used + encoded > len(buf):
-            yield view[:used]
-            used = 0
-    if used:
-        yield view[:used]
+            cut = used - used % align
+            yield view[:cut]
+            buf[:used - cut] = buf[cut:used]  # the unaligned rest (shorter than cut: no overlap) goes out next
+            used -= cut
+    cut = used - used % align
+    if cut:
+        yield view[:cut]
+    if used > cut:
+        yield view[cut:used]
     raw = index.tobytes()
     yield memoryview(raw + crc32c(raw).to_bytes(4, "little"))
+
+
+def write_buffer(g: Geometry, target: int, align: int = 1) -> int:
+    """The bytes of a writer's reused buffer for :func:`encode`: as many
+    whole inner chunks as fit in ``target`` (at least one), plus ``align``
+    for the carried rest when ``align > 1``."""
+    return max(1, target // g.encoded) * g.encoded + (align if align > 1 else 0)
 
 
 def encode_bytes(g: Geometry, data: np.ndarray) -> bytes:

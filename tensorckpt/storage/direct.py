@@ -176,7 +176,7 @@ class LocalObjects:
         if parent not in self._made:
             os.makedirs(parent, exist_ok=True)
             self._made.add(parent)
-        write_durable(path, pieces)
+        write_durable(path, pieces, files.direct_io())
 
     def open(self, rel: str, where: str) -> LocalFile:
         try:
@@ -281,12 +281,12 @@ class Writer:
 
     def _run(self, key: str, e: TensorEntry, pos: tuple[int, ...], data: np.ndarray) -> str:
         g = codec.geometry(e)
-        size = max(1, BUFFER_BYTES // g.encoded) * g.encoded
+        size = codec.write_buffer(g, BUFFER_BYTES, files.ALIGN)
         buf = getattr(self._local, "buf", None)
         if buf is None or len(buf) < size:
-            buf = self._local.buf = np.empty(size, np.uint8)
+            buf = self._local.buf = files.aligned_buffer(size)
         digest = codec.new_digest()
-        self.objects.put(f"{key}/{chunk_key(pos)}", codec.encode(g, data, buf, digest))
+        self.objects.put(f"{key}/{chunk_key(pos)}", codec.encode(g, data, buf, digest, files.ALIGN))
         return digest.hexdigest()
 
 

@@ -41,7 +41,7 @@ from typing import Any
 import numpy as np
 
 from . import codec
-from .files import fsync_path, write_durable
+from .files import ALIGN, aligned_buffer, direct_io, fsync_path, write_durable
 
 MESSAGE_BYTES = 1 << 16  # the largest message either side sends
 
@@ -54,6 +54,7 @@ def serve(fd: int, threads: int, buffer_bytes: int) -> None:
     local = threading.local()
     lock = threading.Lock()
     pool = ThreadPoolExecutor(threads, thread_name_prefix="tensorckpt-offload")
+    direct = direct_io()
 
     def answer(reply: dict[str, Any]) -> None:
         with lock:
@@ -70,14 +71,14 @@ def serve(fd: int, threads: int, buffer_bytes: int) -> None:
             g = codec.geometry_of(tuple(m["shape"]), tuple(m["chunk"]), tuple(m["inner"]), d)
             data = np.ndarray(tuple(m["elements"]), d, buffer=arenas[m["arena"]], offset=m["offset"],
                               strides=tuple(m["strides"]))
-            size = max(1, buffer_bytes // g.encoded) * g.encoded
+            size = codec.write_buffer(g, buffer_bytes, ALIGN)
             buf = getattr(local, "buf", None)
             if buf is None or len(buf) < size:
-                buf = local.buf = np.empty(size, np.uint8)
+                buf = local.buf = aligned_buffer(size)
             digest = codec.new_digest()
             path = os.path.join(m["root"], m["rel"])
             os.makedirs(os.path.dirname(path), exist_ok=True)
-            write_durable(path, codec.encode(g, data, buf, digest))
+            write_durable(path, codec.encode(g, data, buf, digest, ALIGN), direct)
             answer({"id": m["id"], "digest": digest.hexdigest()})
         except Exception as e:  # noqa: BLE001 - every failure is the training process's to raise
             answer({"id": m["id"], "error": getattr(e, "strerror", None) or str(e) or type(e).__name__,
