@@ -142,6 +142,12 @@ class Geometry:
         return touching * self.encoded + self.index_bytes, self.count * self.encoded + self.index_bytes
 
 
+    def stored_bytes(self, elements: tuple[int, ...]) -> int:
+        """The size of the object :func:`encode` makes of a chunk whose
+        elements (its box clipped to the array) have shape ``elements``."""
+        return math.prod(-(-n // i) for n, i in zip(elements, self.inner)) * self.encoded + self.index_bytes
+
+
 @functools.lru_cache(maxsize=1 << 12)
 def geometry(entry: TensorEntry) -> Geometry:
     """The :class:`Geometry` of ``entry``'s array (cached: entries are immutable)."""

@@ -156,9 +156,9 @@ class Sources(Protocol):
 class Objects(Sources, Protocol):
     """:class:`Sources` that can also be written."""
 
-    def put(self, rel: str, pieces: Iterator[memoryview]) -> None:
+    def put(self, rel: str, pieces: Iterator[memoryview], size: int = 0) -> None:
         """Store the object ``rel`` made of ``pieces`` (each valid until the
-        next is asked for), durable on return."""
+        next is asked for; ``size``: their total, when known), durable on return."""
 
 
 class LocalObjects:
@@ -170,13 +170,13 @@ class LocalObjects:
         self.root = root
         self._made: set[str] = set()  # directories known to exist
 
-    def put(self, rel: str, pieces: Iterator[memoryview]) -> None:
+    def put(self, rel: str, pieces: Iterator[memoryview], size: int = 0) -> None:
         path = os.path.join(self.root, rel)
         parent = os.path.dirname(path)
         if parent not in self._made:
             os.makedirs(parent, exist_ok=True)
             self._made.add(parent)
-        write_durable(path, pieces, files.direct_io())
+        write_durable(path, pieces, files.direct_io(), size)
 
     def open(self, rel: str, where: str) -> LocalFile:
         try:
@@ -286,7 +286,7 @@ class Writer:
         if buf is None or len(buf) < size:
             buf = self._local.buf = files.aligned_buffer(size)
         digest = codec.new_digest()
-        self.objects.put(f"{key}/{chunk_key(pos)}", codec.encode(g, data, buf, digest, files.ALIGN))
+        self.objects.put(f"{key}/{chunk_key(pos)}", codec.encode(g, data, buf, digest, files.ALIGN), g.bounds(pos)[0])
         return digest.hexdigest()
 
 

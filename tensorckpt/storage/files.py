@@ -7,11 +7,14 @@ in-process writer and reader) and what the async save's helper process does
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import fcntl
 import mmap
 import os
+import sys
 from collections.abc import Iterable
+from typing import Any
 
 import numpy as np
 
@@ -31,7 +34,7 @@ def aligned_buffer(n: int) -> np.ndarray:
     return np.frombuffer(mmap.mmap(-1, n), np.uint8)
 
 
-def write_durable(path: str, pieces: Iterable[memoryview], direct: bool = False) -> None:
+def write_durable(path: str, pieces: Iterable[memoryview], direct: bool = False, size: int = 0) -> None:
     """Write ``pieces`` in turn as the file ``path`` (its directory exists),
     fsynced before returning (its directory entry is the caller's to sync).
 
@@ -43,8 +46,16 @@ def write_durable(path: str, pieces: Iterable[memoryview], direct: bool = False)
     kernel CPU copying and writing back, O_DIRECT ~0.15 s, on this project's
     2-core VM (benchmarks/README.md): CPU a training loop beside a background
     save no longer loses. A file system that refuses O_DIRECT (EINVAL) gets
-    the piece through the page cache."""
+    the piece through the page cache.
+
+    ``size`` (with ``direct``): the file's final size, reserved first
+    (``fallocate``, keeping the size, where the file system has it), so the
+    blocks of files written at once on several threads stay contiguous
+    (O_DIRECT allocates as each piece lands: 4-6 extents per 16 MiB object
+    on ext4 without, 1 with)."""
     fd = os.open(path, FLAGS, 0o644)
+    if direct and size > ALIGN:
+        _reserve(fd, size)
     on = False  # O_DIRECT set on fd
     try:
         for piece in pieces:
@@ -62,6 +73,29 @@ def write_durable(path: str, pieces: Iterable[memoryview], direct: bool = False)
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def _reserve(fd: int, size: int) -> None:
+    """Allocate ``size`` bytes for ``fd`` without changing its size; a file
+    system without ``fallocate`` is left as it is (never glibc's emulation,
+    which writes zeros)."""
+    if _fallocate is not None and _fallocate(fd, FALLOC_FL_KEEP_SIZE, 0, size):
+        e = ctypes.get_errno()
+        if e not in (errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
+            raise OSError(e, os.strerror(e))
+
+
+def _libc_fallocate() -> Any:
+    try:
+        f = ctypes.CDLL(None, use_errno=True).fallocate
+    except (OSError, AttributeError):
+        return None
+    f.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
+    return f
+
+
+FALLOC_FL_KEEP_SIZE = 1
+_fallocate = _libc_fallocate() if sys.platform.startswith("linux") else None
 
 
 def _aligned(piece: memoryview) -> bool:

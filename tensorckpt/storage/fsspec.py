@@ -96,7 +96,7 @@ class FsspecObjects:
         self.loc = loc
         self.fs, self.root = file_system(loc)
 
-    def put(self, rel: str, pieces: Iterator[memoryview]) -> None:
+    def put(self, rel: str, pieces: Iterator[memoryview], size: int = 0) -> None:
         data = b"".join(bytes(p) for p in pieces)  # each view is valid only until the next: copied
         with errors(self.loc, f"writing {rel}"):
             pipe(self.fs, f"{self.root}/{rel}", data)

@@ -78,7 +78,7 @@ def serve(fd: int, threads: int, buffer_bytes: int) -> None:
             digest = codec.new_digest()
             path = os.path.join(m["root"], m["rel"])
             os.makedirs(os.path.dirname(path), exist_ok=True)
-            write_durable(path, codec.encode(g, data, buf, digest, ALIGN), direct)
+            write_durable(path, codec.encode(g, data, buf, digest, ALIGN), direct, g.stored_bytes(data.shape))
             answer({"id": m["id"], "digest": digest.hexdigest()})
         except Exception as e:  # noqa: BLE001 - every failure is the training process's to raise
             answer({"id": m["id"], "error": getattr(e, "strerror", None) or str(e) or type(e).__name__,
