@@ -18,6 +18,7 @@ CASES = {
     "bench_dist": ["--size-gib", "0.03", "--reps", "1", "--no-dcp-best", "--settle-s", "0.05"],
     "bench_background": ["--size-gib", "0.01", "--reps", "1", "--baseline-s", "0.3", "--savers", "tensorckpt,dcp thread"],
     "bench_plan_scale": ["--ranks", "64", "128", "--layers", "2"],
+    "bench_write_path": ["--size-gib", "0.02", "--reps", "1"],
     "bench_load_path": ["--size-gib", "0.02", "--reps", "1", "--procs", "2", "--rows"],
     "bench_durable": ["--small-kib", "4", "--large-mib", "2", "--reps", "1", "--large-reps", "1", "--many", "20", "--noise-mib", "16",
                       "--noise-warmup-s", "0.2"],
