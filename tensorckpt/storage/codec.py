@@ -136,11 +136,8 @@ class Geometry:
         """The least and the most bytes the object at grid position ``pos``
         can hold: every inner chunk that intersects the array, then the
         index; at most every inner chunk of the shard."""
-        touching = 1
-        for p, c, i, s in zip(pos, self.chunk, self.inner, self.shape):
-            touching *= -(-(min(p * c + c, s) - p * c) // i)
-        return touching * self.encoded + self.index_bytes, self.count * self.encoded + self.index_bytes
-
+        clipped = tuple(min(p * c + c, s) - p * c for p, c, s in zip(pos, self.chunk, self.shape))
+        return self.stored_bytes(clipped), self.count * self.encoded + self.index_bytes
 
     def stored_bytes(self, elements: tuple[int, ...]) -> int:
         """The size of the object :func:`encode` makes of a chunk whose
@@ -178,8 +175,9 @@ def encode(g: Geometry, data: np.ndarray, buf: np.ndarray, digest: Digest | None
     ``align``: every view but the last two (the data's last bytes past a
     multiple of ``align``, the index) starts at ``buf``'s start and is a
     multiple of ``align`` bytes long (the bytes past the last multiple move
-    to the buffer's start and go out with the next view), so with ``buf`` page-aligned a writer can hand all but
-    the object's end to ``O_DIRECT`` (:func:`.files.write_durable`)."""
+    to the buffer's start and go out with the next view), so with ``buf``
+    page-aligned a writer can hand all but the object's end to ``O_DIRECT``
+    (:func:`.files.write_durable`)."""
     if data.ndim != len(g.chunk) or any(n > c for n, c in zip(data.shape, g.chunk)):
         raise ValueError(f"a chunk of shape {g.chunk} cannot hold elements of shape {data.shape}")
     if len(buf) < g.encoded + (align if align > 1 else 0):

@@ -42,26 +42,27 @@ def write_durable(path: str, pieces: Iterable[memoryview], direct: bool = False,
     memory and a multiple of :data:`ALIGN` long, bypass the page cache
     (``O_DIRECT``, set on the descriptor for them and cleared at the first
     piece that is not, which with :func:`.codec.encode`'s ``align`` is only
-    the object's end). A 1 GiB save through the page cache spent ~1.9 s of
-    kernel CPU copying and writing back, O_DIRECT ~0.15 s, on this project's
-    2-core VM (benchmarks/README.md): CPU a training loop beside a background
-    save no longer loses. A file system that refuses O_DIRECT (EINVAL) gets
-    the piece through the page cache.
+    the object's end). Through the page cache a 1 GiB save spent 0.4-1.4 s
+    of kernel CPU (torch.save and DCP up to 2.6-3.2 s), with O_DIRECT
+    0.2-0.4 s, on this project's 2-core VM (benchmarks/bench_write_path.py):
+    CPU a training loop beside a background save no longer loses. A file
+    system that refuses O_DIRECT (EINVAL) gets the piece through the page
+    cache.
 
-    ``size`` (with ``direct``): the file's final size, reserved first
-    (``fallocate``, keeping the size, where the file system has it), so the
-    blocks of files written at once on several threads stay contiguous
+    ``size``: the file's final size, reserved before the first O_DIRECT
+    write (``fallocate``, keeping the size, where the file system has it), so
+    the blocks of files written at once on several threads stay contiguous
     (O_DIRECT allocates as each piece lands: 4-6 extents per 16 MiB object
     on ext4 without, 1 with)."""
     fd = os.open(path, FLAGS, 0o644)
-    if direct and size > ALIGN:
-        _reserve(fd, size)
     on = False  # O_DIRECT set on fd
     try:
         for piece in pieces:
             while piece:
                 direct = direct and _aligned(piece)  # once through the page cache, always (the offset may not align)
                 if direct != on:
+                    if direct and size > ALIGN:  # only the first piece can go direct: nothing is written yet
+                        _reserve(fd, size)
                     on = _set_direct(fd, direct)
                     direct = on  # refused: the page cache from here on
                 try:
