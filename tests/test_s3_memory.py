@@ -7,7 +7,9 @@ reset through /proc/self/clear_refs, with glibc's own malloc settings: its
 dynamic mmap threshold, which kept each of the eight reading threads' freed
 runs in that thread's arena, is what this checks (the first large load of a
 process: 129-134 MiB of growth on s3 and 102 on memory:// for this 66 MiB
-target before, 52-81 and 28-50 after, on a busy 2-core machine). About 30 s."""
+target before, 52-81 and 28-50 after, on a busy 2-core machine). About 30 s.
+A load from local files (the direct reader) is checked against issue 17's
+bound: peak memory within 1.2x its target."""
 
 from __future__ import annotations
 
@@ -72,3 +74,24 @@ def test_a_load_holds_its_read_budget_and_one_arena_beyond_its_target(url):
     # 28-50 on memory://); an arena per reading thread was 129-134 and 102
     slack = (72 if url.startswith("s3://") else 40) * MiB
     assert growth < kvobjects.IN_FLIGHT_BYTES + slack, (growth / MiB, size / MiB)
+
+
+@pytest.mark.timeout(240)
+def test_a_local_load_peaks_within_a_fifth_of_its_target_beyond_it(tmp_path):
+    """Issue 17 item 6 on local files (the direct reader): a load's peak RSS
+    beyond its preallocated target stays under 0.2x the target (load peak
+    <= 1.2x the target state). What it holds: one reused buffer per reading
+    thread (direct.THREADS x direct.BUFFER_BYTES, 8 MiB), made by the first
+    load (measured 9.3 MiB first, 0.2-1.0 MiB after, for this 66 MiB target)."""
+    from tensorckpt.storage import direct
+
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [os.path.dirname(_TESTS),
+                                                                      os.environ.get("PYTHONPATH")]))}
+    out = subprocess.run([sys.executable, "-c", _MEASURE, str(tmp_path / "memory-bound")], env=env,
+                         capture_output=True, text=True, timeout=200, check=False)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    size, growth = got["size"], max(got["growth"])
+    print(f"local load of {size / MiB:.0f} MiB: peak RSS growth " + ", ".join(f"{g / MiB:.1f}" for g in got["growth"]))
+    assert growth < 0.2 * size, (growth / MiB, size / MiB)
+    assert growth < direct.THREADS * direct.BUFFER_BYTES + 4 * MiB, (growth / MiB, direct.THREADS)
