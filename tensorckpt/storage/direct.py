@@ -75,7 +75,9 @@ from .arrays import chunk_key
 from .files import write_durable
 
 BUFFER_BYTES = 1 << 20  # largest single read (stays in the CPU cache for the check and copy that follow)
-THREADS = 8  # stored objects read at once: reads of one overlap the checks and copies of others (8: 5-23 % faster cold than 4 in bench_load_path; 12-16 no faster)
+# stored objects read at once: reads of one overlap the checks and copies of others
+# (8: 5-23 % faster cold than 4 in bench_load_path; 12-16 no faster)
+THREADS = 8
 WRITE_THREADS = 4  # stored objects written at once: one encodes while others wait on the disk
 WHOLE_READ_BYTES = 1 << 20  # an object of unknown size at most this large that a read needs whole: one request
 MAX_INDEX_BYTES = MAX_SHARD_INDEX_BYTES  # what this path buffers whole: the format's caps (spec 12), so every
